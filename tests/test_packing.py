@@ -1,0 +1,106 @@
+"""Unit: planning and packing round-trip bit-exactly; wire bytes are exactly the payload."""
+
+import pytest
+import torch
+
+from vllm_nccl_sync.packing import ALIGN, Reassembler, pack, plan_buckets, validate_header
+from vllm_nccl_sync.protocol import PROTOCOL_VERSION
+
+
+def mixed_tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("emb", torch.randn(50, 16, generator=g).to(torch.bfloat16)),
+        ("norm", torch.randn(17, generator=g)),
+        ("half", torch.randn(3, 5, generator=g).to(torch.float16)),
+        ("ids", torch.randint(-(2**40), 2**40, (7,), generator=g)),
+        ("empty", torch.empty(0, 4)),
+        ("scalar", torch.tensor(3.5)),
+        ("mask", torch.rand(9, generator=g) > 0.5),
+        ("odd", torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g)),
+        ("big", torch.randn(700, generator=g)),  # 2800 B: larger than a 1024 B bucket
+        ("t", torch.randn(4, 6, generator=g).t()),  # not contiguous
+    ]
+
+
+def transfer(tensors, capacity):
+    """Plan, pack, validate and unpack every bucket as a receiver would; returns (out, lengths)."""
+    buckets = list(plan_buckets(tensors, capacity))
+    re = Reassembler()
+    out, lengths = {}, []
+    for seq, b in enumerate(buckets):
+        buf = torch.full((capacity,), 0xAB, dtype=torch.uint8)
+        wire = pack(b, buf)
+        h = b.header(1, seq, seq == len(buckets) - 1, PROTOCOL_VERSION)
+        validate_header(h, seq, capacity)
+        assert wire.numel() == h.length
+        lengths.append((h.length, sum(s.nbytes for s in h.slots), len(h.slots)))
+        rbuf = torch.zeros(capacity, dtype=torch.uint8)
+        rbuf[: h.length] = wire
+        for name, t in re.unpack(h, rbuf):
+            out[name] = t.clone()
+    re.finish()
+    return out, lengths
+
+
+@pytest.mark.parametrize("capacity", [1024, 4096, 1 << 20])
+def test_round_trip_bit_exact(capacity):
+    tensors = mixed_tensors()
+    out, _ = transfer(tensors, capacity)
+    assert list(out) == [n for n, _ in tensors]
+    for name, t in tensors:
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape
+        got, want = out[name].reshape(-1), t.contiguous().reshape(-1)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_big_tensor_is_chunked_and_buckets_stay_within_capacity():
+    big = torch.arange(1000, dtype=torch.float32)
+    buckets = list(plan_buckets([("big", big)], 1024))
+    assert len(buckets) == 4  # 4000 bytes in 1024-byte buckets
+    assert all(b.length <= 1024 for b in buckets)
+    assert [s.start for b in buckets for s in b.slots] == [0, 1024, 2048, 3072]
+
+
+def test_wire_bytes_equal_payload():
+    _, lengths = transfer(mixed_tensors(), 4096)
+    for length, payload, nslots in lengths:
+        # Only inter-slot alignment padding, never a partly filled buffer's tail.
+        assert payload <= length < payload + ALIGN * nslots
+    assert sum(p for _, p, _ in lengths) == sum(
+        t.numel() * t.element_size() for _, t in mixed_tensors()
+    )
+
+
+def test_views_are_aligned():
+    for b in plan_buckets(mixed_tensors(), 4096):
+        assert all(s.offset % ALIGN == 0 for s in b.slots)
+
+
+def test_tensor_filling_bucket_exactly():
+    t = torch.ones(256, dtype=torch.float32)  # 1024 B
+    buckets = list(plan_buckets([("a", t), ("b", t)], 1024))
+    assert [b.length for b in buckets] == [1024, 1024]
+
+
+def test_rejects_bad_capacity_and_dtype():
+    with pytest.raises(ValueError, match="multiple"):
+        next(plan_buckets([("a", torch.ones(1))], 100))
+    with pytest.raises(ValueError, match="not supported"):
+        next(plan_buckets([("a", torch.ones(1, dtype=torch.complex64))], 1024))
+
+
+def test_reassembler_rejects_out_of_order_and_incomplete():
+    big = torch.arange(1000, dtype=torch.float32)
+    buckets = list(plan_buckets([("big", big)], 1024))
+    re = Reassembler()
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    h0 = buckets[0].header(1, 0, False, PROTOCOL_VERSION)
+    h2 = buckets[2].header(1, 2, False, PROTOCOL_VERSION)
+    re.unpack(h0, buf)
+    with pytest.raises(ValueError, match="out of order"):
+        re.unpack(h2, buf)
+    re2 = Reassembler()
+    re2.unpack(h0, buf)
+    with pytest.raises(ValueError, match="incomplete tensors: big"):
+        re2.finish()

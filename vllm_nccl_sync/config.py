@@ -1,0 +1,67 @@
+"""Configuration shared by the two ends; validated on construction, msgpack-friendly on the wire."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .packing import ALIGN
+
+BACKENDS = ("gloo", "nccl")
+"""Data-plane backends, chosen by name."""
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+"""256 MiB: within ~3% of the broadcast ceiling on NVLink (DESIGN.md section 3)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SyncConfig:
+    """Everything both ends must agree on. The trainer makes it; each engine gets it by RPC."""
+
+    host: str = "127.0.0.1"
+    """Address the trainer binds (control socket and the group's TCPStore); loopback by default."""
+    control_port: int
+    """ZeroMQ ROUTER port of the trainer."""
+    group_port: int
+    """TCPStore port of the data-plane group."""
+    world_size: int
+    """1 trainer + every receiving worker of every engine."""
+    backend: str = "gloo"
+    """Data plane: `gloo` (CPU) or `nccl` (GPU)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Capacity of one bucket; each side holds two buffers of it."""
+    timeout_s: float = 120.0
+    """Bound on every wait: rendezvous, control messages and collectives."""
+    secret: str = ""
+    """Shared secret (hex) authenticating control frames with HMAC-SHA256; empty disables."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
+        if self.world_size < 2:
+            raise ValueError(f"world_size {self.world_size} must be >= 2 (a trainer and a receiver)")
+        if self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN:
+            raise ValueError(f"bucket_bytes {self.bucket_bytes} must be a positive multiple of {ALIGN}")
+        for name in ("control_port", "group_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"{name} {getattr(self, name)} out of range")
+        if self.control_port == self.group_port:
+            raise ValueError("control_port and group_port must differ")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        bytes.fromhex(self.secret)  # raises ValueError if not hex
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return bytes.fromhex(self.secret) if self.secret else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SyncConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown SyncConfig fields: {sorted(unknown)}")
+        return cls(**d)

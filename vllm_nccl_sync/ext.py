@@ -1,0 +1,86 @@
+"""The vLLM worker extension: `--worker-extension-cls vllm_nccl_sync.Ext`.
+
+vLLM appends this class to every worker's bases, so its methods run inside each worker and are
+reached with `collective_rpc("nccl_sync_<name>", ...)`. It is deliberately thin: vLLM is
+imported lazily, state lives in one attribute, and the work is done by `Receiver` and
+`VllmWeightLoader`. Every method name is prefixed `nccl_sync_` so none can clash with the
+worker's own. Methods return msgpack-native values and report failures in their result instead
+of raising, so a failed update never takes the engine down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Ext:
+    """Receives weight updates pushed by `vllm_nccl_sync.PushClient` into the running model."""
+
+    _nccl_sync: Any = None  # (Receiver, VllmWeightLoader) once joined
+
+    def nccl_sync_join(self, cfg: dict[str, Any], rank_offset: int = 1) -> dict[str, Any]:
+        """Join the trainer's transfer group; blocks until the trainer's `connect()` meets it.
+
+        This worker's rank is `rank_offset + replica * workers_per_replica + local rank`.
+        """
+        from vllm.distributed import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        from .config import SyncConfig
+        from .receiver import Receiver
+        from .vllm_loader import VllmWeightLoader
+
+        if self._nccl_sync is not None:
+            self.nccl_sync_close()
+        sync_cfg = SyncConfig.from_dict(cfg)
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        pp = get_pp_group()
+        per_replica = tp_size * pp.world_size
+        local = pp.rank_in_group * tp_size + tp_rank
+        replica = getattr(self.vllm_config.parallel_config, "data_parallel_index", 0) or 0
+        rank = rank_offset + replica * per_replica + local
+        device = self.device if sync_cfg.backend == "nccl" else None
+        receiver = Receiver(
+            sync_cfg, rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size, device=device
+        )
+        self._nccl_sync = (receiver, VllmWeightLoader(self))
+        return {"rank": rank, "replica": replica, "tp_rank": tp_rank, "tp_size": tp_size}
+
+    def nccl_sync_receive(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Receive one update (call while the trainer pushes). Returns this worker's summary."""
+        if self._nccl_sync is None:
+            return {"ok": False, "error": "nccl_sync_join has not been called on this worker"}
+        receiver, loader = self._nccl_sync
+        return receiver.receive(loader, timeout_s)
+
+    def nccl_sync_state(self) -> dict[str, Any]:
+        """Weight version held, consistency, and counters of this worker."""
+        if self._nccl_sync is None:
+            return {"joined": False}
+        st = self._nccl_sync[0].state
+        return {
+            "joined": True,
+            "rank": self._nccl_sync[0].rank,
+            "version": st.version,
+            "consistent": st.consistent,
+            "updates": st.updates,
+            "failures": st.failures,
+            "bytes": st.bytes,
+            "last_seconds": st.last_seconds,
+            "last_error": st.last_error,
+        }
+
+    def nccl_sync_param_ptrs(self) -> dict[str, int]:
+        """Data pointer of every non-empty parameter and buffer (to prove updates are in place)."""
+        from .vllm_loader import param_pointers
+
+        return param_pointers(self.model_runner.model)
+
+    def nccl_sync_close(self) -> None:
+        """Leave the transfer group."""
+        if self._nccl_sync is not None:
+            self._nccl_sync[0].close()
+            self._nccl_sync = None

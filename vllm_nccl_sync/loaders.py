@@ -1,0 +1,44 @@
+"""Weight loaders for plain `torch.nn.Module`s (trainer-side checks, tests, benchmarks).
+
+The vLLM loader, which goes through vLLM's own weight loaders, is `vllm_loader.VllmWeightLoader`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ModuleLoader:
+    """Copies HF-named tensors into a module's parameters and buffers, in place.
+
+    Copies are issued on the current stream, so on CUDA a receive buffer refilled later on that
+    stream is never overwritten before these copies have read it.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.targets: dict[str, torch.Tensor] = dict(module.named_parameters())
+        self.targets.update(module.named_buffers())
+        self.loaded: set[str] = set()
+
+    def begin(self) -> None:
+        self.loaded = set()
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
+        done = set()
+        for name, t in named_tensors:
+            target = self.targets.get(name)
+            if target is None:
+                raise KeyError(f"tensor {name!r} is not a parameter or buffer of the model")
+            if target.shape != t.shape:
+                raise ValueError(f"tensor {name!r}: shape {list(t.shape)} != model's {list(target.shape)}")
+            with torch.no_grad():
+                target.copy_(t, non_blocking=True)
+            done.add(name)
+        self.loaded |= done
+        return done
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass

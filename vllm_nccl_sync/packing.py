@@ -1,0 +1,210 @@
+"""Packing: how named tensors become buckets of bytes and back. Pure: no sockets, no collectives.
+
+A bucket is laid out as the slots of its header say: each slot's bytes start at an offset aligned
+to `ALIGN` (so views of the buffer are valid, well-aligned tensors of any dtype) and the bucket's
+`length` is the end of its last slot. Padding between slots is below `ALIGN` bytes each, and there
+is none after the last one: what goes on the wire is `length` bytes, never the buffer's capacity.
+A tensor larger than the bucket capacity is cut into chunks (whole elements) spread over
+consecutive buckets and reassembled by the receiver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .protocol import BucketHeader, Slot
+
+ALIGN = 64
+"""Byte alignment of every slot's offset in a bucket."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of `dtype`; raises `ValueError` for dtypes the protocol does not carry."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not supported on the wire") from None
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def tensor_nbytes(dtype: str, shape: list[int]) -> int:
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One planned bucket: its slots and, slot for slot, the source tensors they copy from."""
+
+    slots: list[Slot] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.slots[-1].offset + self.slots[-1].nbytes if self.slots else 0
+
+    def header(self, version: int, seq: int, is_last: bool, protocol: int) -> BucketHeader:
+        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots)
+
+
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int
+) -> Iterator[Bucket]:
+    """Cut a stream of named tensors into buckets of at most `capacity` bytes, lazily.
+
+    Tensors keep their order. A tensor that does not fit the rest of the current bucket starts a
+    new one; a tensor larger than `capacity` is split into whole-element chunks that fill buckets.
+    """
+    if capacity < ALIGN or capacity % ALIGN:
+        raise ValueError(f"bucket capacity {capacity} must be a positive multiple of {ALIGN}")
+    cur = Bucket()
+    used = 0
+    for name, tensor in named_tensors:
+        dtype = dtype_name(tensor.dtype)
+        shape = list(tensor.shape)
+        flat = tensor.detach().reshape(-1)
+        total = flat.numel() * flat.element_size()
+        itemsize = flat.element_size()
+        if total <= capacity and align_up(used) + total > capacity:
+            yield cur
+            cur, used = Bucket(), 0
+        start = 0
+        while True:
+            offset = align_up(used)
+            if offset >= capacity:
+                yield cur
+                cur, used, offset = Bucket(), 0, 0
+            room = (capacity - offset) // itemsize * itemsize
+            n = min(total - start, room)
+            cur.slots.append(Slot(name, dtype, shape, offset, n, start))
+            cur.sources.append(flat)
+            used = offset + n
+            start += n
+            if start >= total:
+                break
+    if cur.slots:
+        yield cur
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes (copied first if not contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack(bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's sources into `buf` (uint8) and return `buf[:length]`, the wire bytes."""
+    for slot, src in zip(bucket.slots, bucket.sources, strict=True):
+        data = as_bytes(src)[slot.start : slot.start + slot.nbytes]
+        buf[slot.offset : slot.offset + slot.nbytes].copy_(data, non_blocking=True)
+    return buf[: bucket.length]
+
+
+def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> None:
+    """Check a header against the protocol's rules before any byte moves; `ValueError` if broken.
+
+    Rules: the expected sequence number; `0 <= length <= capacity`; known dtypes; non-negative
+    shapes; aligned, in-range, non-overlapping slots; whole elements; chunk ranges inside their
+    tensor; and `length` equal to the end of the last slot (no bytes beyond the payload).
+    """
+    if header.seq != expected_seq:
+        kind = "repeat" if header.seq < expected_seq else "gap"
+        raise ValueError(f"bucket sequence {kind}: got seq {header.seq}, expected {expected_seq}")
+    if not 0 <= header.length <= capacity:
+        raise ValueError(f"bucket length {header.length} outside [0, capacity {capacity}]")
+    end = 0
+    for s in header.slots:
+        if s.dtype not in DTYPES:
+            raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
+        if any(d < 0 for d in s.shape):
+            raise ValueError(f"tensor {s.name!r}: negative dimension in shape {s.shape}")
+        itemsize = DTYPES[s.dtype].itemsize
+        total = tensor_nbytes(s.dtype, s.shape)
+        if s.offset < end:
+            raise ValueError(f"tensor {s.name!r}: offset {s.offset} overlaps the previous slot")
+        if s.offset % ALIGN:
+            raise ValueError(f"tensor {s.name!r}: offset {s.offset} not aligned to {ALIGN}")
+        if s.nbytes < 0 or s.start < 0 or s.nbytes % itemsize or s.start % itemsize:
+            raise ValueError(f"tensor {s.name!r}: byte range not made of whole {s.dtype} elements")
+        if s.start + s.nbytes > total:
+            raise ValueError(
+                f"tensor {s.name!r}: bytes [{s.start}, {s.start + s.nbytes}) exceed its size {total}"
+            )
+        if s.nbytes == 0 and total != 0:
+            raise ValueError(f"tensor {s.name!r}: empty chunk of a non-empty tensor")
+        end = s.offset + s.nbytes
+        if end > header.length:
+            raise ValueError(
+                f"tensor {s.name!r}: bytes end at {end}, past the bucket length {header.length}"
+            )
+    if end != header.length:
+        raise ValueError(f"bucket length {header.length} != end of its last tensor {end}")
+
+
+class Reassembler:
+    """Turns received buckets back into whole named tensors (views of the buffer when possible).
+
+    A tensor split over buckets is copied into a staging tensor until its last chunk arrives;
+    chunks must arrive in order. Call `finish()` at the end to catch tensors left incomplete.
+    """
+
+    def __init__(self) -> None:
+        self._partial: dict[str, tuple[Slot, torch.Tensor, int]] = {}
+
+    def unpack(self, header: BucketHeader, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors completed by this bucket, as `(name, tensor)`; views of `buf` if whole."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for s in header.slots:
+            dtype = DTYPES[s.dtype]
+            total = tensor_nbytes(s.dtype, s.shape)
+            data = buf[s.offset : s.offset + s.nbytes]
+            if s.start == 0 and s.nbytes == total:
+                if s.name in self._partial:
+                    raise ValueError(f"tensor {s.name!r}: sent whole while chunks are pending")
+                out.append((s.name, data.view(dtype).view(s.shape)))
+                continue
+            first, staging, got = self._partial.get(s.name, (s, None, 0))
+            if staging is None:
+                if s.start != 0:
+                    raise ValueError(f"tensor {s.name!r}: chunk at byte {s.start} before byte 0")
+                staging = torch.empty(total, dtype=torch.uint8, device=buf.device)
+            elif s.start != got or s.dtype != first.dtype or s.shape != first.shape:
+                raise ValueError(
+                    f"tensor {s.name!r}: chunk at byte {s.start} out of order (expected {got})"
+                    " or with another dtype/shape"
+                )
+            staging[s.start : s.start + s.nbytes].copy_(data, non_blocking=True)
+            got += s.nbytes
+            if got == total:
+                del self._partial[s.name]
+                out.append((s.name, staging.view(dtype).view(s.shape)))
+            else:
+                self._partial[s.name] = (first, staging, got)
+        return out
+
+    def finish(self) -> None:
+        """Raise if a chunked tensor is still incomplete at the end of an update."""
+        if self._partial:
+            names = ", ".join(sorted(self._partial))
+            raise ValueError(f"update ended with incomplete tensors: {names}")

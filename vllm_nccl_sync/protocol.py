@@ -1,0 +1,145 @@
+"""Control plane: the typed wire protocol spoken over ZeroMQ.
+
+Every message is a `msgspec.Struct` of one closed tagged union (`Message`), encoded with msgpack
+and decoded with a typed decoder, so a frame from the network can only ever become one of these
+plain records: no pickle, nothing executable. Each message carries `protocol`.
+
+One update, per bucket k (sender S, every receiver R):
+
+    S -> R  BucketHeader(k)        what bucket k holds and its exact byte `length`
+    R -> S  Ready(k) | Error       the receiver checked the header against its buffer and model
+    S -> R  Go(k) | Abort          every receiver said Ready: the collective for k may start
+    S => R  broadcast of exactly `length` bytes (data plane)
+    ...
+    R -> S  Ack                    after the bucket with `is_last`, once everything is loaded
+
+A receiver never enters a collective before it has seen `Go` for that bucket, so a disagreement
+becomes an `Error` + `Abort` on every side instead of a hang.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+"""Bumped on every incompatible change of these messages."""
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""Upper bound of one control frame; larger frames are rejected before decoding."""
+
+
+class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One tensor (or one chunk of a tensor larger than a bucket) inside a bucket.
+
+    `offset`/`nbytes` locate the bytes in the bucket; `start` is the byte offset of these bytes in
+    the full tensor (0 unless the tensor is split over several buckets).
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    start: int = 0
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
+    """Receiver -> sender once it has joined: who it is and what it can take."""
+
+    protocol: int
+    rank: int
+    replica: int
+    tp_rank: int
+    tp_size: int
+    bucket_bytes: int
+    backend: str
+
+
+class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers: bucket `seq` of update `version` is `length` bytes holding `slots`."""
+
+    protocol: int
+    version: int
+    seq: int
+    length: int
+    is_last: bool
+    slots: list[Slot]
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):
+    """Receiver -> sender: header `seq` is valid and the receiver will join its collective."""
+
+    protocol: int
+    rank: int
+    seq: int
+
+
+class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers: every receiver is ready; the collective for `seq` starts now."""
+
+    protocol: int
+    version: int
+    seq: int
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers: the update is abandoned before the collective of bucket `seq`."""
+
+    protocol: int
+    version: int
+    seq: int
+    reason: str
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
+    """Receiver -> sender: the whole update is loaded."""
+
+    protocol: int
+    rank: int
+    version: int
+    buckets: int
+    bytes: int
+    tensors: int
+    seconds: float
+
+
+class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True):
+    """Either way: the peer failed; `message` names the problem, `traceback` is the remote one."""
+
+    protocol: int
+    rank: int
+    seq: int
+    message: str
+    traceback: str = ""
+
+
+Message = Hello | BucketHeader | Ready | Go | Abort | Ack | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolError(ValueError):
+    """A frame or message that breaks the protocol; the text names the problem."""
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message to a msgpack frame."""
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Decode one frame into a `Message`, or raise `ProtocolError` naming what is wrong."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        msg = _decoder.decode(frame)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid message: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable frame: {e}") from None
+    if msg.protocol != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {msg.protocol} received, this side speaks {PROTOCOL_VERSION}"
+        )
+    return msg

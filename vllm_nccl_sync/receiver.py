@@ -1,0 +1,210 @@
+"""Receiver: one worker's side of an update (engine-agnostic; the vLLM glue lives in `ext`).
+
+Per bucket: header (control plane) -> checked -> `Ready` -> `Go` -> exactly `length` bytes by
+broadcast into one of two preallocated buffers -> views handed to a `WeightLoader`. The header
+of bucket k+1 is read and answered while bucket k is on the wire, so the link never waits for the
+control round trip. Buffer k+2 reuses buffer k only after the loads of k have been issued on the
+same stream (CUDA) or finished (CPU), so no buffer is overwritten while it is being read.
+
+A receiver that fails (bad header, loader error) keeps taking part in every collective it already
+agreed to, then answers the next header or the end with `Error`; the sender then aborts every
+rank the same way. Nothing blocks past `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .channel import ReceiverChannel
+from .config import SyncConfig
+from .packing import Reassembler, validate_header
+from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Ready
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class WeightLoader(Protocol):
+    """Where received tensors go. `load` must not keep references to the tensors it is given."""
+
+    def begin(self) -> None: ...
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def finish(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class UpdateFailed(RuntimeError):
+    """This update did not complete; the text says why and on which side."""
+
+
+@dataclass(slots=True)
+class ReceiverState:
+    """What this worker holds and has done; reported by `nccl_sync_state`."""
+
+    version: int = -1
+    """Version of the last complete update (-1: the weights the engine started with)."""
+    consistent: bool = True
+    """False after an update failed part-way in place: some tensors are new, some old."""
+    updates: int = 0
+    failures: int = 0
+    bytes: int = 0
+    last_seconds: float = 0.0
+    last_error: str = ""
+    history: list[dict] = field(default_factory=list)
+
+
+class Receiver:
+    """Joins the transfer group as `rank` and receives updates into a `WeightLoader`."""
+
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        rank: int,
+        *,
+        replica: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
+        if rank == 0:
+            raise ValueError("rank 0 is the sender")
+        self.cfg = cfg
+        self.rank = rank
+        self.state = ReceiverState()
+        self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
+        self.channel.send(
+            Hello(PROTOCOL_VERSION, rank, replica, tp_rank, tp_size, cfg.bucket_bytes, cfg.backend)
+        )
+        self.transport = Transport(cfg, rank, device)
+        dev = self.transport.device
+        self.buffers = [torch.empty(cfg.bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+
+    def _error(self, seq: int, message: str) -> None:
+        self.channel.send(Error(PROTOCOL_VERSION, self.rank, seq, message, traceback.format_exc()))
+
+    def _answer(self, header: BucketHeader, seq: int, failed: str | None) -> str | None:
+        """Check header `seq`; reply Ready, or Error naming the problem. Returns the failure."""
+        if failed is None:
+            try:
+                validate_header(header, seq, self.cfg.bucket_bytes)
+            except ValueError as e:
+                failed = f"rank {self.rank} rejected bucket {seq}: {e}"
+        if failed is None:
+            self.channel.send(Ready(PROTOCOL_VERSION, self.rank, seq))
+        else:
+            self._error(seq, failed)
+        return failed
+
+    def _expect(self, kind: type, seq: int, version: int | None, timeout_s: float):
+        """Next control message of this update: `kind` for `seq`, else `UpdateFailed`.
+
+        While waiting for the first header (`version` None), leftovers of an earlier, aborted
+        update are skipped; afterwards an `Abort` of this update ends it.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+            if version is None and not isinstance(msg, BucketHeader):
+                log.info("skipping a stale %s before the next update", type(msg).__name__)
+                continue
+            if isinstance(msg, Abort) and msg.version == version:
+                raise UpdateFailed(f"sender aborted update {version} at bucket {msg.seq}: {msg.reason}")
+            if isinstance(msg, kind) and msg.seq == seq and (version is None or msg.version == version):
+                return msg
+            raise UpdateFailed(f"expected {kind.__name__} for bucket {seq}, got {msg!r:.200}")
+
+    def receive(self, loader: WeightLoader, timeout_s: float | None = None) -> dict:
+        """Receive one whole update into `loader`; returns a msgpack-native summary.
+
+        `timeout_s` bounds the wait for the first header (the trainer may still be training);
+        every later wait is bounded by the config's `timeout_s`.
+        """
+        t_wait = self.cfg.timeout_s
+        re = Reassembler()
+        seq, nbytes, ntensors = 0, 0, 0
+        failed: str | None = None
+        began = False
+        t0 = 0.0
+        try:
+            header = self._expect(BucketHeader, 0, None, timeout_s or t_wait)
+            t0 = time.perf_counter()
+            failed = self._answer(header, 0, failed)
+            while True:
+                self._expect(Go, seq, header.version, t_wait)
+                buf = self.buffers[seq % 2]
+                work = self.transport.broadcast(buf[: header.length]) if header.length else None
+                nxt = None
+                if not header.is_last:
+                    nxt = self._expect(BucketHeader, seq + 1, header.version, t_wait)
+                    failed = self._answer(nxt, seq + 1, failed)
+                if work is not None:
+                    work.wait()
+                nbytes += header.length
+                if failed is None:
+                    try:
+                        if not began:
+                            loader.begin()
+                            began = True
+                        named = re.unpack(header, buf)
+                        loader.load(named)
+                        ntensors += len(named)
+                        if header.is_last:
+                            re.finish()
+                            loader.finish()
+                    except Exception as e:  # the loader is user/vLLM code: report, don't crash
+                        failed = f"rank {self.rank} failed loading bucket {seq}: {e!r}"
+                        log.exception("loading bucket %d failed", seq)
+                if header.is_last:
+                    break
+                header, seq = nxt, seq + 1
+            if self.transport.device.type == "cuda":
+                torch.cuda.current_stream(self.transport.device).synchronize()
+            seconds = time.perf_counter() - t0
+            if failed is not None:
+                self._error(seq, failed)
+                raise UpdateFailed(failed)
+            self.channel.send(
+                Ack(PROTOCOL_VERSION, self.rank, header.version, seq + 1, nbytes, ntensors, seconds)
+            )
+        except (UpdateFailed, TimeoutError, RuntimeError, ValueError) as e:
+            if not isinstance(e, UpdateFailed):  # tell a sender that may still be waiting
+                self._error(seq, f"rank {self.rank}: {e}")
+            self.state.failures += 1
+            self.state.last_error = str(e)
+            if began:
+                self.state.consistent = False
+                try:
+                    loader.abort()
+                except Exception:
+                    log.exception("loader.abort() failed")
+            return self._summary(ok=False, error=str(e), seq=seq, nbytes=nbytes)
+        st = self.state
+        st.version, st.consistent, st.updates = header.version, True, st.updates + 1
+        st.bytes += nbytes
+        st.last_seconds = seconds
+        return self._summary(ok=True, seq=seq, nbytes=nbytes, tensors=ntensors, seconds=seconds)
+
+    def _summary(self, *, ok: bool, seq: int, nbytes: int, **extra) -> dict:
+        out = {
+            "ok": ok,
+            "rank": self.rank,
+            "version": self.state.version,
+            "consistent": self.state.consistent,
+            "buckets": seq + 1,
+            "bytes": nbytes,
+        }
+        out.update(extra)
+        return out
+
+    def close(self) -> None:
+        self.transport.close()
+        self.channel.close()

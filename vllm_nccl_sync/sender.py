@@ -1,0 +1,211 @@
+"""Sender: the trainer-side push client (rank 0 of the transfer group).
+
+`PushClient.push` streams `(name, tensor)` pairs (a `state_dict()`, a generator, FSDP full
+tensors gathered one at a time) as buckets to every receiver of every engine at once: one
+broadcast per bucket feeds them all. Double-buffered: bucket k+1 is planned, announced and packed
+while bucket k is on the wire; a buffer is refilled only after the collective that read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .channel import SenderChannel
+from .config import SyncConfig
+from .packing import Bucket, pack, plan_buckets, tensor_nbytes
+from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Ready
+from .transport import Handle, Transport
+
+log = logging.getLogger(__name__)
+
+
+class PushError(RuntimeError):
+    """An update failed; `errors` holds each failing receiver's message by rank."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or {}
+
+
+class _Announced(PushError):
+    """A receiver refused a header; every receiver has already been sent `Abort`."""
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """What one update moved, and every receiver's acknowledgement."""
+
+    version: int
+    buckets: int
+    bytes: int
+    tensors: int
+    seconds: float
+    acks: list[Ack]
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+Progress = Callable[[int, int, float], None]
+"""Called after each bucket is sent with (buckets so far, bytes so far, seconds so far)."""
+
+
+def _with_last(it: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
+    """Pairs each bucket with whether it is the last one (one bucket of look-ahead)."""
+    cur = next(it, None)
+    if cur is None:
+        yield Bucket(), True  # an empty update still completes the protocol
+        return
+    for nxt in it:
+        yield cur, False
+        cur = nxt
+    yield cur, True
+
+
+class PushClient:
+    """Binds the control socket and hosts the group's rendezvous; then pushes updates."""
+
+    def __init__(self, cfg: SyncConfig, device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.channel = SenderChannel(cfg.host, cfg.control_port, cfg.secret_bytes)
+        self.transport: Transport | None = None
+        self.hellos: dict[int, Hello] = {}
+        self._buffers: list[torch.Tensor] = []
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(1, self.cfg.world_size))
+
+    def connect(self) -> dict[int, Hello]:
+        """Rendezvous with every receiver (blocks until all joined, at most `timeout_s`)."""
+        self.transport = Transport(self.cfg, 0, self.device)
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while len(self.hellos) < len(self.ranks):
+            rank, msg = self.channel.recv(deadline)
+            if not isinstance(msg, Hello):
+                raise PushError(f"expected Hello from rank {rank}, got {msg!r:.200}")
+            if msg.rank != rank or rank not in self.ranks:
+                raise PushError(f"Hello from socket rank {rank} claims rank {msg.rank}")
+            if (msg.bucket_bytes, msg.backend) != (self.cfg.bucket_bytes, self.cfg.backend):
+                raise PushError(
+                    f"rank {rank} runs bucket_bytes={msg.bucket_bytes} backend={msg.backend}, "
+                    f"the trainer {self.cfg.bucket_bytes} {self.cfg.backend}"
+                )
+            self.hellos[rank] = msg
+        dev = self.transport.device
+        self._buffers = [
+            torch.empty(self.cfg.bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)
+        ]
+        return self.hellos
+
+    def _gather(self, kind: type, seq: int) -> dict[int, object]:
+        """One message from every receiver for `seq`: all `kind`, or a `PushError` naming who failed."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        got: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        while len(got) + len(errors) < len(self.ranks):
+            try:
+                rank, msg = self.channel.recv(deadline)
+            except TimeoutError:
+                missing = sorted(set(self.ranks) - set(got) - set(errors))
+                raise PushError(f"no {kind.__name__} for bucket {seq} from ranks {missing}") from None
+            if isinstance(msg, Error):
+                errors[rank] = msg.message
+            elif isinstance(msg, kind) and getattr(msg, "seq", seq) == seq:
+                got[rank] = msg
+            else:
+                log.warning("ignoring stale %s from rank %d while waiting for %s %d",
+                            type(msg).__name__, rank, kind.__name__, seq)
+        if errors:
+            text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
+            raise PushError(f"update failed at bucket {seq}: {text}", errors)
+        return got
+
+    def _announce(self, header: BucketHeader) -> None:
+        """Send a header and wait until every receiver accepted it; abort all on any refusal."""
+        self.channel.send_all(self.ranks, header)
+        try:
+            self._gather(Ready, header.seq)
+        except PushError as e:
+            self.channel.send_all(
+                self.ranks, Abort(PROTOCOL_VERSION, header.version, header.seq, str(e))
+            )
+            raise _Announced(str(e), e.errors) from None
+
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        dtype: torch.dtype | None = None,
+        progress: Progress | None = None,
+    ) -> PushResult:
+        """Send one complete update; returns once every receiver acknowledged it.
+
+        `dtype` casts floating-point tensors before they are packed (e.g. fp32 master weights to
+        the engine's bf16), halving the bytes on the wire. Raises `PushError` if any side failed;
+        every receiver then ends the update the same way (none is left inside a collective).
+        """
+        if self.transport is None:
+            raise RuntimeError("call connect() before push()")
+        items: Iterable[tuple[str, torch.Tensor]] = (
+            named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        )
+        if dtype is not None:
+            items = ((n, t.to(dtype) if t.is_floating_point() else t) for n, t in items)
+        buckets = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+        t0 = time.perf_counter()
+        works: list[Handle | None] = [None, None]
+        seq, nbytes, ntensors = 0, 0, 0
+        try:
+            bucket, is_last = next(buckets)
+            header = bucket.header(version, 0, is_last, PROTOCOL_VERSION)
+            self._announce(header)
+            while True:
+                wire = pack(bucket, self._buffers[seq % 2])
+                self.channel.send_all(self.ranks, Go(PROTOCOL_VERSION, version, seq))
+                works[seq % 2] = self.transport.broadcast(wire) if header.length else None
+                nbytes += header.length
+                ntensors += sum(
+                    s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape) for s in header.slots
+                )
+                if progress:
+                    progress(seq + 1, nbytes, time.perf_counter() - t0)
+                if is_last:
+                    break
+                seq += 1
+                bucket, is_last = next(buckets)
+                header = bucket.header(version, seq, is_last, PROTOCOL_VERSION)
+                self._announce(header)
+                prev = works[seq % 2]  # the collective that last read the buffer we fill next
+                if prev is not None:
+                    prev.wait()
+            for w in works:
+                if w is not None:
+                    w.wait()
+            if self.transport.device.type == "cuda":
+                torch.cuda.current_stream(self.transport.device).synchronize()
+        except _Announced:
+            raise
+        except Exception as e:  # the tensor source or packing failed: end every receiver's wait
+            self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq, repr(e)))
+            raise PushError(f"update {version} failed at bucket {seq} on the trainer: {e!r}") from e
+        acks = self._gather(Ack, -1)
+        seconds = time.perf_counter() - t0
+        bad = [a for a in acks.values() if a.version != version]
+        if bad:
+            raise PushError(f"receivers acknowledged versions {[a.version for a in bad]}, not {version}")
+        return PushResult(version, seq + 1, nbytes, ntensors, seconds, list(acks.values()))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.channel.close()
+

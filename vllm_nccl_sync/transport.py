@@ -1,0 +1,90 @@
+"""Data plane: one broadcast collective per bucket, from rank 0 (the trainer) to every receiver.
+
+Each transport is its own process group built from its own rendezvous (a `TCPStore` hosted by
+rank 0), so it never touches the default process group that vLLM (or the trainer) already uses.
+Backends are chosen by name: `gloo` (CPU tensors) and `nccl` (CUDA tensors).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .config import SyncConfig
+
+
+class Handle(Protocol):
+    """A collective in flight."""
+
+    def wait(self) -> bool: ...
+
+
+class Transport:
+    """A broadcast-only process group made without the default group.
+
+    `broadcast` returns at once; the caller waits on the handle. With NCCL, `wait()` only orders
+    the current CUDA stream after the collective (the host does not block), which is what lets
+    packing and loading overlap with the transfer.
+    """
+
+    def __init__(self, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> None:
+        if not 0 <= rank < cfg.world_size:
+            raise ValueError(f"rank {rank} outside [0, {cfg.world_size})")
+        self.backend = cfg.backend
+        self.rank = rank
+        if cfg.backend == "nccl":
+            self.device = device or torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self._timeout = timedelta(seconds=cfg.timeout_s)
+        self._store = dist.TCPStore(
+            cfg.host,
+            cfg.group_port,
+            cfg.world_size,
+            is_master=rank == 0,
+            timeout=self._timeout,
+            wait_for_workers=False,
+        )
+        store = dist.PrefixStore("vllm_nccl_sync", self._store)
+        if cfg.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=cfg.host)]
+            self.pg = dist.ProcessGroupGloo(store, rank, cfg.world_size, opts)
+        else:
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = self._timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, cfg.world_size, nccl_opts)
+            # Build the communicator now, inside the rendezvous timeout, not in the first bucket.
+            with torch.cuda.device(self.device):
+                self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+                torch.cuda.current_stream().synchronize()
+        self.bytes_moved = 0
+        self.collectives = 0
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
+        """Start broadcasting `tensor` (uint8: exactly the bytes to move) from rank `src`."""
+        if tensor.dtype != torch.uint8 or tensor.device != self.device:
+            raise ValueError(
+                f"broadcast takes uint8 on {self.device}, got {tensor.dtype} on {tensor.device}"
+            )
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self._timeout
+        self.bytes_moved += tensor.numel()
+        self.collectives += 1
+        return self.pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        """Drop the group; a broken group (peer died, timeout) must be closed and rebuilt."""
+        if self.pg is not None and self.backend == "nccl":
+            try:
+                self.pg.abort()
+            except (AttributeError, RuntimeError):
+                pass
+        self.pg = None
+        self._store = None
