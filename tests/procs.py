@@ -1,0 +1,62 @@
+"""Run functions in separate processes with a hard deadline: a test never hangs CI."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _entry(q, idx: int, fn: Callable, args: tuple) -> None:
+    try:
+        q.put((idx, True, fn(*args)))
+    except BaseException:
+        q.put((idx, False, traceback.format_exc()))
+
+
+def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float) -> list[Any]:
+    """Start each `fn(*args)` in its own spawned process; return their results in order.
+
+    Raises `AssertionError` with the remote traceback if one failed, or if the deadline passes
+    (every process still alive is then killed).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(q, i, fn, args), daemon=True)
+             for i, (fn, args) in enumerate(calls)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    end = time.monotonic() + deadline_s
+    try:
+        while len(results) + len(errors) < len(procs):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"processes still running after the {deadline_s} s deadline")
+            try:
+                idx, ok, val = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in results]
+                if dead and q.empty():
+                    time.sleep(0.5)
+                    if q.empty():
+                        raise AssertionError(f"process {dead} died with exit codes "
+                                             f"{[procs[i].exitcode for i in dead]}") from None
+                continue
+            if ok:
+                results[idx] = val
+            else:
+                errors.append(f"process {idx} failed:\n{val}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[i] for i in range(len(procs))]
