@@ -1,0 +1,126 @@
+"""`WeightSync`: one object a trainer holds to keep one or many engines on its latest weights.
+
+It hosts the transfer group, joins every engine to it (rank offsets computed here), and for each
+update runs every engine's receive RPC concurrently with the push, so the caller writes one line:
+`sync.update(model.state_dict(), version=step)`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .config import SyncConfig
+from .engines import EngineHandle
+from .sender import PushClient, PushError, PushResult
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WeightSync:
+    """Trainer-side driver of `engines`, all fed by one broadcast per bucket."""
+
+    def __init__(
+        self,
+        engines: list[EngineHandle],
+        *,
+        backend: str = "gloo",
+        bucket_bytes: int | None = None,
+        timeout_s: float = 120.0,
+        host: str = "127.0.0.1",
+        secret: str = "",
+        device: torch.device | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("WeightSync needs at least one engine")
+        self.engines = engines
+        extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+        self.cfg = SyncConfig(
+            host=host,
+            control_port=free_port(host),
+            group_port=free_port(host),
+            world_size=1 + sum(e.workers for e in engines),
+            backend=backend,
+            timeout_s=timeout_s,
+            secret=secret,
+            **extra,
+        )
+        self.offsets = [1 + sum(e.workers for e in engines[:i]) for i in range(len(engines))]
+        self.client = PushClient(self.cfg, device)
+        self._pool = ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="nccl-sync")
+
+    def _on_all(self, method: str, args_for: list[tuple], timeout: float) -> list[Future]:
+        return [
+            self._pool.submit(e.call, method, *args, timeout=timeout)
+            for e, args in zip(self.engines, args_for, strict=True)
+        ]
+
+    def connect(self) -> list[list[dict[str, Any]]]:
+        """Join every engine's workers to the group; returns each worker's rank assignment."""
+        cfg = self.cfg.to_dict()
+        futs = self._on_all("nccl_sync_join", [(cfg, off) for off in self.offsets],
+                            self.cfg.timeout_s + 30)
+        try:
+            self.client.connect()
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
+        return [f.result(timeout=self.cfg.timeout_s) for f in futs]
+
+    def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+        version: int,
+        *,
+        pause_mode: str = "wait",
+        dtype: torch.dtype | None = None,
+    ) -> PushResult:
+        """Push one complete update into every engine; raises `PushError` if any part failed.
+
+        Each engine is paused (`pause_mode`) for the update and resumed with its prefix cache
+        reset, whatever the outcome.
+        """
+        for e in self.engines:
+            e.pause(pause_mode)
+        try:
+            futs = self._on_all("nccl_sync_receive", [(self.cfg.timeout_s,)] * len(self.engines),
+                                self.cfg.timeout_s * 3)
+            error: BaseException | None = None
+            result = None
+            try:
+                result = self.client.push(named_tensors, version, dtype=dtype)
+            except PushError as e:
+                error = e
+            summaries = [s for f in futs for s in f.result(timeout=self.cfg.timeout_s * 3)]
+        finally:
+            for e in self.engines:
+                e.resume()
+        failed = [s for s in summaries if not s.get("ok")]
+        if error is not None or failed:
+            detail = "; ".join(f"rank {s.get('rank')}: {s.get('error')}" for s in failed)
+            raise PushError(f"update {version} failed: {error or ''} {detail}".strip())
+        assert result is not None
+        return result
+
+    def state(self) -> list[list[dict[str, Any]]]:
+        """Every worker's `nccl_sync_state` (version held, consistency, counters), per engine."""
+        return [e.call("nccl_sync_state", timeout=30) for e in self.engines]
+
+    def close(self) -> None:
+        for e in self.engines:
+            try:
+                e.call("nccl_sync_close", timeout=30)
+            except Exception:  # engine may already be gone; closing is best effort
+                pass
+        self.client.close()
+        self._pool.shutdown(wait=False)
