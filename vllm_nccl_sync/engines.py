@@ -53,3 +53,75 @@ class LLMHandle:
 
     def resume(self) -> None:
         self.llm.reset_prefix_cache()
+
+
+class AsyncLLMHandle:
+    """An in-process `AsyncLLM` whose event loop runs in another thread (e.g. a rollout server).
+
+    Calls are scheduled on that loop and waited for here, so the trainer code stays synchronous.
+    """
+
+    def __init__(self, engine: Any, loop: Any, *, call_timeout_s: float = 600.0) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.workers = _workers(engine.vllm_config)
+        self._timeout = call_timeout_s
+
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout or self._timeout)
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        return self._run(self.engine.collective_rpc(method, timeout=timeout, args=args),
+                         None if timeout is None else timeout + 10)
+
+    def pause(self, mode: str) -> None:
+        self._run(self.engine.pause_generation(mode=mode, clear_cache=mode != "keep"))
+
+    def resume(self) -> None:
+        self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+        self._run(self.engine.resume_generation())
+
+
+class HTTPHandle:
+    """A `vllm serve ... --worker-extension-cls vllm_nccl_sync.Ext` server.
+
+    Uses vLLM's development endpoints, so the server must run with `VLLM_SERVER_DEV_MODE=1`:
+    `POST /collective_rpc`, `/pause?mode=`, `/resume`, `/reset_prefix_cache`.
+    `workers` is the server's tensor x pipeline parallel size.
+    """
+
+    def __init__(self, url: str, workers: int = 1, *, call_timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.workers = workers
+        self._timeout = call_timeout_s
+
+    def _post(self, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self._timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            hint = " (is the server running with VLLM_SERVER_DEV_MODE=1?)" if e.code == 404 else ""
+            raise RuntimeError(f"POST {path} -> HTTP {e.code}{hint}: {detail}") from None
+        return json.loads(raw) if raw else None
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        out = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": timeout},
+                         None if timeout is None else timeout + 10)
+        return (out or {}).get("results", [])
+
+    def pause(self, mode: str) -> None:
+        self._post(f"/pause?mode={mode}&clear_cache={'false' if mode == 'keep' else 'true'}")
+
+    def resume(self) -> None:
+        self._post("/reset_prefix_cache?reset_running_requests=true")
+        self._post("/resume")

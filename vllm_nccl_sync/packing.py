@@ -65,8 +65,10 @@ class Bucket:
     def length(self) -> int:
         return self.slots[-1].offset + self.slots[-1].nbytes if self.slots else 0
 
-    def header(self, version: int, seq: int, is_last: bool, protocol: int) -> BucketHeader:
-        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots)
+    def header(
+        self, version: int, seq: int, is_last: bool, protocol: int, force: bool = False
+    ) -> BucketHeader:
+        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force)
 
 
 def plan_buckets(

@@ -64,6 +64,8 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     length: int
     is_last: bool
     slots: list[Slot]
+    force: bool = False
+    """Accept a `version` not newer than the one the engine holds (rollback on purpose)."""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):

@@ -93,6 +93,9 @@ class Receiver:
 
     def _answer(self, header: BucketHeader, seq: int, failed: str | None) -> str | None:
         """Check header `seq`; reply Ready, or Error naming the problem. Returns the failure."""
+        if failed is None and seq == 0 and header.version <= self.state.version and not header.force:
+            failed = (f"rank {self.rank} refused update {header.version}: it holds version "
+                      f"{self.state.version} (push with force=True to go back)")
         if failed is None:
             try:
                 validate_header(header, seq, self.cfg.bucket_bytes)

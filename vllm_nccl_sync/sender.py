@@ -146,6 +146,7 @@ class PushClient:
         *,
         dtype: torch.dtype | None = None,
         progress: Progress | None = None,
+        force: bool = False,
     ) -> PushResult:
         """Send one complete update; returns once every receiver acknowledged it.
 
@@ -166,7 +167,7 @@ class PushClient:
         seq, nbytes, ntensors = 0, 0, 0
         try:
             bucket, is_last = next(buckets)
-            header = bucket.header(version, 0, is_last, PROTOCOL_VERSION)
+            header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force)
             self._announce(header)
             while True:
                 wire = pack(bucket, self._buffers[seq % 2])
@@ -182,7 +183,7 @@ class PushClient:
                     break
                 seq += 1
                 bucket, is_last = next(buckets)
-                header = bucket.header(version, seq, is_last, PROTOCOL_VERSION)
+                header = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force)
                 self._announce(header)
                 prev = works[seq % 2]  # the collective that last read the buffer we fill next
                 if prev is not None:

@@ -84,12 +84,16 @@ class WeightSync:
         *,
         pause_mode: str = "wait",
         dtype: torch.dtype | None = None,
+        force: bool = False,
     ) -> PushResult:
         """Push one complete update into every engine; raises `PushError` if any part failed.
 
-        Each engine is paused (`pause_mode`) for the update and resumed with its prefix cache
-        reset, whatever the outcome.
+        Each engine is paused (`pause_mode`: `abort`, `wait` or `keep` its in-flight requests) for
+        the update and resumed with its prefix cache reset, whatever the outcome. Engines refuse a
+        `version` not newer than the one they hold unless `force`.
         """
+        if pause_mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause_mode {pause_mode!r} must be 'abort', 'wait' or 'keep'")
         for e in self.engines:
             e.pause(pause_mode)
         try:
@@ -98,7 +102,7 @@ class WeightSync:
             error: BaseException | None = None
             result = None
             try:
-                result = self.client.push(named_tensors, version, dtype=dtype)
+                result = self.client.push(named_tensors, version, dtype=dtype, force=force)
             except PushError as e:
                 error = e
             summaries = [s for f in futs for s in f.result(timeout=self.cfg.timeout_s * 3)]

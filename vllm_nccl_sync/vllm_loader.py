@@ -1,0 +1,137 @@
+"""Engine side, data plane: load received HF-named tensors into a running vLLM model.
+
+Loading goes through vLLM's own `model.load_weights`, so TP sharding and qkv/gate_up stacking are
+vLLM's. Where the parameter storage exists (GPU) the copy is in place and CUDA graphs stay valid. On
+the CPU backend, where vLLM packs linear weights after loading, `begin()`/`finish()` unpack and re-pack
+them through `patches.vllm_cpu_repack`. vLLM is imported lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def param_pointers(model: torch.nn.Module) -> dict[str, int]:
+    """data_ptr of every non-empty parameter and buffer of `model` (tied ones listed under each name)."""
+    out = {}
+    for kind in (model.named_parameters, model.named_buffers):
+        for name, t in kind(remove_duplicate=False):
+            if t.numel() > 0 and not t.is_meta:
+                out[name] = t.data_ptr()
+    return out
+
+
+@torch.no_grad()
+def param_checksums(model: torch.nn.Module) -> dict[str, float]:
+    """float64 sum of every non-empty parameter (a cheap fingerprint to compare across ranks/updates)."""
+    return {
+        n: p.double().sum().item() for n, p in model.named_parameters() if p.numel() > 0 and not p.is_meta
+    }
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are the same Parameter as one listed earlier (e.g. a tied lm_head)."""
+    seen: set[int] = set()
+    out = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.add(id(p))
+    return out
+
+
+class VllmWeightLoader:
+    """Loads full HF-named tensors into a vLLM worker's model: `begin()`, `load()`*, `finish()`.
+
+    `load` never keeps references to the tensors it is given, so the caller may refill its receive
+    buffer as soon as it returns (on CUDA, copies are queued on the current stream, before any refill).
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.model: torch.nn.Module = worker.model_runner.model
+        self.device: torch.device = torch.device(worker.device)
+        self.vllm_config = worker.vllm_config
+        self.skip = tied_aliases(self.model)  # vLLM rejects a tied alias sent without its canonical
+        self._cpu: Any = None  # patches.vllm_cpu_repack, on the CPU backend only
+        self._unpacked: list[Any] | None = None  # layers unpacked by begin(), until finish()/abort()
+        self.loaded: set[str] = set()
+        self.stats: dict[str, int] = {}
+
+    def _repacker(self) -> Any:
+        if self._cpu is None:
+            from .patches import vllm_cpu_repack
+
+            self._cpu = vllm_cpu_repack if vllm_cpu_repack.applies() else False
+            if self._cpu:
+                vllm_cpu_repack.check_version()
+        return self._cpu
+
+    def begin(self) -> None:
+        """Prepare for a full or partial load (CPU: give packed linears a full weight again)."""
+        if self._unpacked is not None:
+            self.abort()  # an earlier update never finished
+        self.loaded = set()
+        cpu = self._repacker()
+        self._unpacked = cpu.unpack_linears(self.model) if cpu else []
+
+    @torch.no_grad()
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load one batch through `model.load_weights`; returns the vLLM parameter names it filled."""
+        if self._unpacked is None:
+            raise RuntimeError("VllmWeightLoader.load() called before begin()")
+        batch = [(n, t) for n, t in named_tensors if n not in self.skip]
+        done = set(self.model.load_weights(iter(batch)) or ())
+        self.loaded |= done
+        return done
+
+    def finish(self) -> None:
+        """Make the loaded weights take effect (CPU: re-pack) and release temporary full weights."""
+        if self._unpacked is None:
+            return
+        cpu = self._repacker()
+        entries, self._unpacked = self._unpacked, None
+        if not cpu:
+            return
+        counts: dict[str, int] = {}
+        for e in entries:
+            status = cpu.repack(e)
+            counts[status] = counts.get(status, 0) + 1
+        counts["kept_repacked"] = cpu.repack_kept(self.model)
+        self.stats = counts
+
+    def abort(self) -> None:
+        """Best effort after a failed update: re-pack what was loaded, restore what was not.
+
+        Every layer ends up usable (old, new or a mix of both weights), so the engine keeps serving."""
+        if self._unpacked is None:
+            return
+        cpu = self._repacker()
+        entries, self._unpacked = self._unpacked, None
+        if not cpu:
+            return
+        for e in entries:
+            try:
+                cpu.repack(e)
+            except Exception:
+                log.exception("re-packing %s failed; restoring its old weight", type(e.layer).__name__)
+                try:
+                    cpu.restore(e)
+                except Exception:
+                    log.exception("restoring failed")
+        try:
+            cpu.repack_kept(self.model)
+        except Exception:
+            log.exception("re-packing the LM head/embeddings failed")
+
+    def param_pointers(self) -> dict[str, int]:
+        """data_ptr of every non-empty parameter and buffer vLLM keeps."""
+        return param_pointers(self.model)
+
+    def param_checksums(self) -> dict[str, float]:
+        """float64 sum of every non-empty parameter."""
+        return param_checksums(self.model)
