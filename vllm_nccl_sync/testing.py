@@ -1,0 +1,162 @@
+"""Tiny local Hugging Face models for the demo and the tests (no hub): build, re-draw weights,
+greedy-decode, and the engine settings that start vLLM on them (CPU or GPU).
+
+Needs `transformers` and `tokenizers` (the `test` extra; vLLM brings both).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+VOCAB = 512
+PROMPTS = [[5, 17, 300, 42, 7], [1, 2, 3], [100, 200, 300, 400, 450, 12, 9, 77], [8], [250] * 12]
+"""Prompts as token ids (no tokenizer quirks)."""
+DTYPE = torch.float32  # bf16 runs, but its rounding flips near-tied greedy tokens vs transformers
+ARCHS = ("qwen2", "llama")
+
+
+def _config(arch: str):
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-5,
+    }
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(tie_word_embeddings=True, **common)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common
+        )
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def build_model(arch: str, seed: int) -> torch.nn.Module:
+    """A transformers model of `arch` with every parameter drawn by `random_weights(seed)`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    random_weights(model, seed)
+    return model.to(DTYPE).eval()
+
+
+@torch.no_grad()
+def random_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Re-draw ALL parameters so that every layer visibly shapes the output.
+
+    Norm weights ~ U(0.5, 1.5); biases ~ N(0, 0.1); embeddings and LM head ~ N(0, 1) (large logit
+    gaps, so greedy decoding is robust to rounding); matrices ~ N(0, 1/fan_in), output projections
+    (o_proj, down_proj) ~ N(0, 16/fan_in) so the layers outweigh the token embedding in the residual
+    stream (else a tied model just repeats its input). Tied parameters are drawn once.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.ndim == 1 and "norm" in name:
+            new = torch.rand(p.shape, generator=gen) + 0.5
+        elif p.ndim == 1:
+            new = torch.randn(p.shape, generator=gen) * 0.1
+        elif "embed" in name or "lm_head" in name:
+            new = torch.randn(p.shape, generator=gen)
+        else:
+            scale = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            new = torch.randn(p.shape, generator=gen) * scale / math.sqrt(p.shape[-1])
+        p.copy_(new.to(p.dtype))
+    return model
+
+
+def save_tokenizer(path: str) -> None:
+    """A whitespace WordLevel tokenizer over ids 0..VOCAB-1 ("<unk>", "<s>", "</s>", "w3", ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+    ).save_pretrained(path)
+
+
+def save_model(model: torch.nn.Module, path: str) -> str:
+    """save_pretrained (safetensors) plus the tokenizer; returns `path`."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+def make_model(path: str, arch: str, seed: int) -> str:
+    """Save a tiny `arch` model ("qwen2": tied, "llama": untied embeddings) of `seed` at `path`."""
+    return save_model(build_model(arch, seed), path)
+
+
+@torch.no_grad()
+def hf_greedy(
+    model: torch.nn.Module, prompts_token_ids: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy decode with transformers, one prompt at a time; returns only the new tokens.
+
+    Exactly `max_new_tokens` per prompt (min_new_tokens, and no eos stopping)."""
+    out = []
+    for ids in prompts_token_ids:
+        x = torch.tensor([ids])
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(y[0, len(ids) :].tolist())
+    return out
+
+
+def engine_kwargs(**overrides) -> dict:
+    """`vllm.LLM` keyword arguments for a tiny model here, and the environment they need.
+
+    On CPU, `gpu_memory_utilization` is the share of RAM vLLM reserves; the KV cache is capped at
+    1 GiB and OpenMP threads are left unbound (2-core machines). Workers must be able to import
+    this repository's modules, so its root is put on `PYTHONPATH`.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    kw = {
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "max_model_len": 256,
+        "seed": 0,
+        "gpu_memory_utilization": 0.3 if torch.cuda.is_available() else 0.15,
+        "enforce_eager": not torch.cuda.is_available(),
+    }
+    kw.update(overrides)
+    return kw
