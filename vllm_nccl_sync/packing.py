@@ -21,6 +21,8 @@ from .protocol import BucketHeader, Slot
 ALIGN = 64
 """Byte alignment of every slot's offset in a bucket."""
 
+_MAX_INT64 = 2**63 - 1  # torch sizes are int64
+
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -51,7 +53,19 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 def tensor_nbytes(dtype: str, shape: list[int]) -> int:
-    return math.prod(shape) * DTYPES[dtype].itemsize
+    return 0 if 0 in shape else math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def _numel_exceeds(shape: list[int], limit: int) -> bool:
+    """Whether the product of `shape` (non-negative) exceeds `limit`; never builds a huge int."""
+    if 0 in shape:
+        return False
+    n = 1
+    for d in shape:
+        n *= d
+        if n > limit:
+            return True
+    return False
 
 
 @dataclass(slots=True)
@@ -126,9 +140,10 @@ def pack(bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
 def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> None:
     """Check a header against the protocol's rules before any byte moves; `ValueError` if broken.
 
-    Rules: the expected sequence number; `0 <= length <= capacity`; known dtypes; non-negative
-    shapes; aligned, in-range, non-overlapping slots; whole elements; chunk ranges inside their
-    tensor; and `length` equal to the end of the last slot (no bytes beyond the payload).
+    Rules: the expected sequence number; `0 <= length <= capacity`; unique names; known dtypes;
+    non-negative shapes of at most 2**63 - 1 bytes; aligned, in-range, non-overlapping slots; whole
+    elements; chunk ranges inside their tensor; and `length` equal to the end of the last slot (no
+    bytes beyond the payload).
     """
     if header.seq != expected_seq:
         kind = "repeat" if header.seq < expected_seq else "gap"
@@ -136,15 +151,22 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
     if not 0 <= header.length <= capacity:
         raise ValueError(f"bucket length {header.length} outside [0, capacity {capacity}]")
     end = 0
+    names: set[str] = set()
     for s in header.slots:
+        if s.name in names:
+            raise ValueError(f"tensor {s.name!r}: duplicate name in one bucket")
+        names.add(s.name)
         if s.dtype not in DTYPES:
             raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
         if any(d < 0 for d in s.shape):
             raise ValueError(f"tensor {s.name!r}: negative dimension in shape {s.shape}")
         itemsize = DTYPES[s.dtype].itemsize
+        if any(d > _MAX_INT64 for d in s.shape) or _numel_exceeds(s.shape, _MAX_INT64 // itemsize):
+            raise ValueError(f"tensor {s.name!r}: shape too large for a tensor")
         total = tensor_nbytes(s.dtype, s.shape)
         if s.offset < end:
-            raise ValueError(f"tensor {s.name!r}: offset {s.offset} overlaps the previous slot")
+            what = "is negative" if s.offset < 0 else "overlaps the previous slot"
+            raise ValueError(f"tensor {s.name!r}: offset {s.offset} {what}")
         if s.offset % ALIGN:
             raise ValueError(f"tensor {s.name!r}: offset {s.offset} not aligned to {ALIGN}")
         if s.nbytes < 0 or s.start < 0 or s.nbytes % itemsize or s.start % itemsize:
@@ -190,7 +212,11 @@ class Reassembler:
             if staging is None:
                 if s.start != 0:
                     raise ValueError(f"tensor {s.name!r}: chunk at byte {s.start} before byte 0")
-                staging = torch.empty(total, dtype=torch.uint8, device=buf.device)
+                try:
+                    staging = torch.empty(total, dtype=torch.uint8, device=buf.device)
+                except (RuntimeError, MemoryError) as e:  # includes torch.OutOfMemoryError
+                    msg = f"tensor {s.name!r}: cannot allocate {total} bytes to reassemble it: {e}"
+                    raise ValueError(msg) from None
             elif s.start != got or s.dtype != first.dtype or s.shape != first.shape:
                 raise ValueError(
                     f"tensor {s.name!r}: chunk at byte {s.start} out of order (expected {got})"

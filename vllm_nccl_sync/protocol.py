@@ -140,6 +140,8 @@ def decode(frame: bytes | memoryview) -> Message:
         raise ProtocolError(f"invalid message: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable frame: {e}") from None
+    except RecursionError:  # msgspec skipping a deeply nested value while it looks for the tag
+        raise ProtocolError("undecodable frame: nested too deeply") from None
     if msg.protocol != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {msg.protocol} received, this side speaks {PROTOCOL_VERSION}"

@@ -3,8 +3,14 @@
 Per bucket: header (control plane) -> checked -> `Ready` -> `Go` -> exactly `length` bytes by
 broadcast into one of two preallocated buffers -> views handed to a `WeightLoader`. The header
 of bucket k+1 is read and answered while bucket k is on the wire, so the link never waits for the
-control round trip. Buffer k+2 reuses buffer k only after the loads of k have been issued on the
-same stream (CUDA) or finished (CPU), so no buffer is overwritten while it is being read.
+control round trip.
+
+Buffer reuse on CUDA is ordered by events, never by a host or device-wide synchronize: loads run on
+the caller's current stream (after `work.wait()` made it wait for the collective), and an event
+recorded after the loads of bucket k marks buffer k%2 free. The collective of bucket k+2 is issued
+from a side stream that waits only on that event, so the broadcast of k+1 overlaps the loads of k
+(issuing it from the current stream would make NCCL wait for the loads of k too, serialising link
+and loads). On CPU (gloo) the loads finish before the next collective is issued.
 
 A receiver that fails (bad header, loader error) keeps taking part in every collective it already
 agreed to, then answers the next header or the end with `Error`; the sender then aborts every
@@ -87,6 +93,21 @@ class Receiver:
         self.transport = Transport(cfg, rank, device)
         dev = self.transport.device
         self.buffers = [torch.empty(cfg.bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+        self._cuda = dev.type == "cuda"
+        if self._cuda:
+            # Collectives are issued from this stream: it waits only for the loads that last read
+            # the buffer being refilled (see the module docstring).
+            self._issue_stream = torch.cuda.Stream(dev)
+            self._free = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def _broadcast_into(self, i: int, length: int):
+        """Start the collective filling `buffers[i][:length]` once its previous loads are done."""
+        buf = self.buffers[i][:length]
+        if not self._cuda:
+            return self.transport.broadcast(buf)
+        with torch.cuda.stream(self._issue_stream):
+            self._issue_stream.wait_event(self._free[i])
+            return self.transport.broadcast(buf)
 
     def _error(self, seq: int, message: str) -> None:
         self.channel.send(Error(PROTOCOL_VERSION, self.rank, seq, message, traceback.format_exc()))
@@ -123,7 +144,9 @@ class Receiver:
                 raise UpdateFailed(f"sender aborted update {version} at bucket {msg.seq}: {msg.reason}")
             if isinstance(msg, kind) and msg.seq == seq and (version is None or msg.version == version):
                 return msg
-            raise UpdateFailed(f"expected {kind.__name__} for bucket {seq}, got {msg!r:.200}")
+            text = f"expected {kind.__name__} for bucket {seq}, got {msg!r:.200}"
+            self._error(seq, f"rank {self.rank}: {text}")  # the sender may be waiting for us
+            raise UpdateFailed(text)
 
     def receive(self, loader: WeightLoader, timeout_s: float | None = None) -> dict:
         """Receive one whole update into `loader`; returns a msgpack-native summary.
@@ -140,15 +163,23 @@ class Receiver:
         try:
             header = self._expect(BucketHeader, 0, None, timeout_s or t_wait)
             t0 = time.perf_counter()
+            if self._cuda:
+                cur = torch.cuda.current_stream(self.transport.device)
+                for ev in self._free:  # all earlier work on the caller's stream precedes bucket 0/1
+                    ev.record(cur)
             failed = self._answer(header, 0, failed)
+            refused = failed is not None
             while True:
                 self._expect(Go, seq, header.version, t_wait)
+                if refused:  # a sender must Abort a refused bucket: never size a collective by it
+                    raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {failed}")
                 buf = self.buffers[seq % 2]
-                work = self.transport.broadcast(buf[: header.length]) if header.length else None
+                work = self._broadcast_into(seq % 2, header.length) if header.length else None
                 nxt = None
                 if not header.is_last:
                     nxt = self._expect(BucketHeader, seq + 1, header.version, t_wait)
                     failed = self._answer(nxt, seq + 1, failed)
+                    refused_next = failed is not None
                 if work is not None:
                     work.wait()
                 nbytes += header.length
@@ -166,9 +197,11 @@ class Receiver:
                     except Exception as e:  # the loader is user/vLLM code: report, don't crash
                         failed = f"rank {self.rank} failed loading bucket {seq}: {e!r}"
                         log.exception("loading bucket %d failed", seq)
+                if self._cuda:  # buffer seq%2 may be refilled once the loads issued so far ran
+                    self._free[seq % 2].record(cur)
                 if header.is_last:
                     break
-                header, seq = nxt, seq + 1
+                header, seq, refused = nxt, seq + 1, refused_next
             if self.transport.device.type == "cuda":
                 torch.cuda.current_stream(self.transport.device).synchronize()
             seconds = time.perf_counter() - t0
@@ -189,7 +222,8 @@ class Receiver:
                     loader.abort()
                 except Exception:
                     log.exception("loader.abort() failed")
-            return self._summary(ok=False, error=str(e), seq=seq, nbytes=nbytes)
+            error = str(e) if failed is None or failed in str(e) else f"{failed}; then: {e}"
+            return self._summary(ok=False, error=error, seq=seq, nbytes=nbytes)
         st = self.state
         st.version, st.consistent, st.updates = header.version, True, st.updates + 1
         st.bytes += nbytes

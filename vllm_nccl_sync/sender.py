@@ -4,6 +4,14 @@
 tensors gathered one at a time) as buckets to every receiver of every engine at once: one
 broadcast per bucket feeds them all. Double-buffered: bucket k+1 is planned, announced and packed
 while bucket k is on the wire; a buffer is refilled only after the collective that read it.
+
+The receivers see `H0 G0 H1 G1 ...`. To keep the control round trip off the link's critical path,
+everything that does not need the receivers' answer is done before waiting for it: bucket k+1 is
+announced right after the collective of k is queued, and packed (speculatively, into our own
+buffer) while the receivers check its header, so `Ready k+1` is answered by `Go k+1` at once.
+On CUDA nothing here blocks the host on the GPU: a buffer is refilled after `wait()` on the
+collective that last read it, which orders the current stream after it. A bucket holding one
+tensor (or one chunk of it) is broadcast straight from the tensor's memory, without a pack copy.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import torch
 
 from .channel import SenderChannel
 from .config import SyncConfig
-from .packing import Bucket, pack, plan_buckets, tensor_nbytes
+from .packing import Bucket, as_bytes, pack, plan_buckets, tensor_nbytes
 from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Ready
 from .transport import Handle, Transport
 
@@ -128,9 +136,8 @@ class PushClient:
             raise PushError(f"update failed at bucket {seq}: {text}", errors)
         return got
 
-    def _announce(self, header: BucketHeader) -> None:
-        """Send a header and wait until every receiver accepted it; abort all on any refusal."""
-        self.channel.send_all(self.ranks, header)
+    def _await_ready(self, header: BucketHeader) -> None:
+        """Wait until every receiver accepted the (already sent) header; abort all on a refusal."""
         try:
             self._gather(Ready, header.seq)
         except PushError as e:
@@ -138,6 +145,17 @@ class PushClient:
                 self.ranks, Abort(PROTOCOL_VERSION, header.version, header.seq, str(e))
             )
             raise _Announced(str(e), e.errors) from None
+
+    def _wire(self, bucket: Bucket, seq: int, works: list[Handle | None]) -> torch.Tensor:
+        """The bytes of `bucket` to broadcast: packed into buffer seq%2, or the tensor itself."""
+        prev = works[seq % 2]  # the collective that last read this buffer
+        if prev is not None:
+            prev.wait()  # orders the pack after it on the current stream (no host wait on CUDA)
+            works[seq % 2] = None
+        if len(bucket.slots) == 1 and bucket.sources[0].device == self.transport.device:
+            slot = bucket.slots[0]  # zero copy: NCCL reads the tensor's own (contiguous) memory
+            return as_bytes(bucket.sources[0])[slot.start : slot.start + slot.nbytes]
+        return pack(bucket, self._buffers[seq % 2])
 
     def push(
         self,
@@ -168,26 +186,29 @@ class PushClient:
         try:
             bucket, is_last = next(buckets)
             header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force)
-            self._announce(header)
+            self.channel.send_all(self.ranks, header)
+            wire = self._wire(bucket, 0, works)
             while True:
-                wire = pack(bucket, self._buffers[seq % 2])
+                nxt = None if is_last else next(buckets)  # planned before Ready: off the path
+                self._await_ready(header)
                 self.channel.send_all(self.ranks, Go(PROTOCOL_VERSION, version, seq))
+                # Nothing may fail between Go and queueing the collective it announces.
                 works[seq % 2] = self.transport.broadcast(wire) if header.length else None
-                nbytes += header.length
+                done = header
+                if nxt is not None:  # announce k+1 at once: receivers check it while k flies
+                    bucket, is_last = nxt
+                    header = bucket.header(version, seq + 1, is_last, PROTOCOL_VERSION, force)
+                    self.channel.send_all(self.ranks, header)
+                nbytes += done.length
                 ntensors += sum(
-                    s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape) for s in header.slots
+                    s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape) for s in done.slots
                 )
                 if progress:
                     progress(seq + 1, nbytes, time.perf_counter() - t0)
-                if is_last:
+                if nxt is None:
                     break
                 seq += 1
-                bucket, is_last = next(buckets)
-                header = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force)
-                self._announce(header)
-                prev = works[seq % 2]  # the collective that last read the buffer we fill next
-                if prev is not None:
-                    prev.wait()
+                wire = self._wire(bucket, seq, works)  # speculative: unused if it is refused
             for w in works:
                 if w is not None:
                     w.wait()

@@ -49,6 +49,8 @@ class Transport:
             wait_for_workers=False,
         )
         store = dist.PrefixStore("vllm_nccl_sync", self._store)
+        self.bytes_moved = 0
+        self.collectives = 0
         if cfg.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self._timeout
@@ -57,13 +59,16 @@ class Transport:
         else:
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = self._timeout
+            # The collectives become runnable exactly when the previous bucket's pack/load copies
+            # do; at equal priority those copies' blocks fill the GPU first and the link idles.
+            nccl_opts.is_high_priority_stream = True
             self.pg = dist.ProcessGroupNCCL(store, rank, cfg.world_size, nccl_opts)
             # Build the communicator now, inside the rendezvous timeout, not in the first bucket.
             with torch.cuda.device(self.device):
                 self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
                 torch.cuda.current_stream().synchronize()
-        self.bytes_moved = 0
-        self.collectives = 0
+            self.bytes_moved = 0  # the warm-up above is not part of any update
+            self.collectives = 0
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         """Start broadcasting `tensor` (uint8: exactly the bytes to move) from rank `src`."""
