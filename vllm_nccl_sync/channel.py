@@ -22,8 +22,7 @@ session is accepted only through a `Hello` naming the same rank.
 What a shared secret covers (a peer without it can reach the port but not the protocol):
 - forging or altering any message, either way; joining as a receiver; pushing to a receiver;
 - replaying a captured frame to a receiver (session + counter + pinned epoch): never accepted;
-- replaying to the trainer: any frame of a session this trainer has seen (counters; while the
-  session is connected ZeroMQ even refuses a second connection with its routing id), frames of
+- replaying to the trainer: any frame of a session this trainer has seen (counters), frames of
   an earlier trainer instance (epoch), frames moved to another session or rank;
 - squatting a rank: ranks are bound to authenticated sessions, not to socket identities.
 
@@ -35,6 +34,9 @@ What it does not cover:
   trainer instance that never saw its session: it binds that rank to the attacker's connection
   until the real receiver's own `Hello` re-binds it; the attacker can only make an update fail by
   timeout (every later frame must carry the epoch) -- a denial of service, never data;
+- an eavesdropper who learns a session id (plain text on the wire) connecting with it: it takes
+  that receiver's routing over (ROUTER_HANDOVER, which keeps real reconnects reliable) until the
+  receiver reconnects; again a denial of service, never data (CURVE hides session ids);
 - resource use by unauthenticated peers: ZeroMQ buffers a whole multipart message before it is
   checked (MAXMSGSIZE bounds each part, not the part count); CURVE stops such peers at the
   handshake;
@@ -199,6 +201,9 @@ class SenderChannel:
         self._secret = secret or None
         self._sock = _socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A receiver reconnecting (same session id) takes its routing id over at once; without
+        # this, a reconnect racing the old connection's teardown would be ignored by libzmq.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if _curve_enabled(curve, self._secret):
             _, sk = _curve_server_keys(self._secret)
             self._sock.setsockopt(zmq.CURVE_SERVER, 1)

@@ -33,6 +33,9 @@ class SyncConfig:
     """Capacity of one bucket; each side holds two buffers of it."""
     timeout_s: float = 120.0
     """Bound on every wait: rendezvous, control messages and collectives."""
+    bucket_checksums: bool | None = None
+    """Checksum every bucket (sender) and check it before loading (receivers). None: on for
+    gloo, off for NCCL (on the GPU it costs a host sync and a pass over each bucket)."""
     secret: str = ""
     """Shared secret (hex) authenticating control frames with HMAC-SHA256; empty disables."""
 

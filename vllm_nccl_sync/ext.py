@@ -44,7 +44,8 @@ class Ext:
         rank = rank_offset + replica * per_replica + local
         device = self.device if sync_cfg.backend == "nccl" else None
         receiver = Receiver(
-            sync_cfg, rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size, device=device
+            sync_cfg, rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size, device=device,
+            reference=_reference(self.vllm_config),
         )
         self._nccl_sync = (receiver, VllmWeightLoader(self))
         return {"rank": rank, "replica": replica, "tp_rank": tp_rank, "tp_size": tp_size}
@@ -79,8 +80,53 @@ class Ext:
 
         return param_pointers(self.model_runner.model)
 
+    def nccl_sync_checksums(self, names: list[str] | None = None) -> dict[str, Any]:
+        """sha256 of parameters as this worker holds them, under vLLM's names (`verify` compares)."""
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        from .verify import module_checksums
+
+        return {
+            "tp_rank": get_tensor_model_parallel_rank(),
+            "tp_size": get_tensor_model_parallel_world_size(),
+            "params": module_checksums(self.model_runner.model, names),
+        }
+
+    def nccl_sync_metrics(self) -> dict[str, Any]:
+        """This worker's counters, and its `vllm_nccl_sync_*` series as Prometheus text."""
+        from .metrics import export_state, prometheus_text
+
+        if self._nccl_sync is not None:
+            export_state(self._nccl_sync[0].rank, self._nccl_sync[0].state)
+        return {"state": self.nccl_sync_state(), "prometheus": prometheus_text()}
+
     def nccl_sync_close(self) -> None:
         """Leave the transfer group."""
         if self._nccl_sync is not None:
             self._nccl_sync[0].close()
             self._nccl_sync = None
+
+
+def _reference(vllm_config: Any) -> Any:
+    """The engine's tensors in HF terms, from its checkpoint's safetensors headers (None if the
+    checkpoint is not a local directory: then only the protocol's own checks apply)."""
+    import logging
+    import os
+
+    from .handshake import Reference, read_safetensors_index
+    from .packing import dtype_name
+
+    mc = vllm_config.model_config
+    index = read_safetensors_index(mc.model) if os.path.isdir(mc.model) else {}
+    if not index:
+        logging.getLogger(__name__).warning(
+            "no local safetensors for %s: pushed tensors are not checked against the model", mc.model
+        )
+        return None
+    aliases = {}
+    if getattr(mc.hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in index:
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+    return Reference(index, aliases, {dtype_name(mc.dtype)})

@@ -80,9 +80,15 @@ class Bucket:
         return self.slots[-1].offset + self.slots[-1].nbytes if self.slots else 0
 
     def header(
-        self, version: int, seq: int, is_last: bool, protocol: int, force: bool = False
+        self,
+        version: int,
+        seq: int,
+        is_last: bool,
+        protocol: int,
+        force: bool = False,
+        staged: bool = False,
     ) -> BucketHeader:
-        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force)
+        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged)
 
 
 def plan_buckets(

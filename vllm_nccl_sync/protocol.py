@@ -43,6 +43,14 @@ class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start: int = 0
 
 
+class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A full tensor as the trainer will send it: HF name, wire dtype, full shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
     """Receiver -> sender once it has joined: who it is and what it can take."""
 
@@ -53,6 +61,20 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     tp_size: int
     bucket_bytes: int
     backend: str
+
+
+class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers, before bucket 0 when the tensors are known up front (a state dict).
+
+    Each receiver checks it against its model and answers `Ready(seq=-1)` or `Error`, so a wrong
+    model is refused before any byte moves. `full`: the plan claims to cover the whole model.
+    """
+
+    protocol: int
+    version: int
+    tensors: list[TensorSpec]
+    full: bool = False
+    force: bool = False
 
 
 class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fields=True):
@@ -66,6 +88,8 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     slots: list[Slot]
     force: bool = False
     """Accept a `version` not newer than the one the engine holds (rollback on purpose)."""
+    staged: bool = False
+    """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):
@@ -77,11 +101,16 @@ class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True
 
 
 class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
-    """Sender -> receivers: every receiver is ready; the collective for `seq` starts now."""
+    """Sender -> receivers: every receiver is ready; the collective for `seq` starts now.
+
+    `checksum` (0: none) is `integrity.checksum` of the bucket's wire bytes; a receiver checks it
+    after the collective and before loading anything from the bucket.
+    """
 
     protocol: int
     version: int
     seq: int
+    checksum: int = 0
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -115,7 +144,7 @@ class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True
     traceback: str = ""
 
 
-Message = Hello | BucketHeader | Ready | Go | Abort | Ack | Error
+Message = Hello | Plan | BucketHeader | Ready | Go | Abort | Ack | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

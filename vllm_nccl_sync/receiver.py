@@ -29,8 +29,10 @@ import torch
 
 from .channel import ReceiverChannel
 from .config import SyncConfig
+from .handshake import Reference
+from .integrity import checksum
 from .packing import Reassembler, validate_header
-from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Ready
+from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Plan, Ready, TensorSpec
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -80,11 +82,16 @@ class Receiver:
         tp_rank: int = 0,
         tp_size: int = 1,
         device: torch.device | None = None,
+        reference: Reference | None = None,
     ) -> None:
+        """Join as `rank`; `reference` (the engine's tensors) lets plans and headers be checked
+        against the model before any byte moves."""
         if rank == 0:
             raise ValueError("rank 0 is the sender")
         self.cfg = cfg
         self.rank = rank
+        self.reference = reference
+        self.broken = ""  # why the data-plane group can no longer be trusted ("" while healthy)
         self.state = ReceiverState()
         self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
         self.channel.send(
@@ -112,9 +119,12 @@ class Receiver:
     def _error(self, seq: int, message: str) -> None:
         self.channel.send(Error(PROTOCOL_VERSION, self.rank, seq, message, traceback.format_exc()))
 
-    def _answer(self, header: BucketHeader, seq: int, failed: str | None) -> str | None:
+    def _answer(
+        self, header: BucketHeader, seq: int, failed: str | None, planned: bool = False
+    ) -> str | None:
         """Check header `seq`; reply Ready, or Error naming the problem. Returns the failure."""
-        if failed is None and seq == 0 and header.version <= self.state.version and not header.force:
+        if (failed is None and seq == 0 and not planned and header.version <= self.state.version
+                and not header.force):
             failed = (f"rank {self.rank} refused update {header.version}: it holds version "
                       f"{self.state.version} (push with force=True to go back)")
         if failed is None:
@@ -122,6 +132,11 @@ class Receiver:
                 validate_header(header, seq, self.cfg.bucket_bytes)
             except ValueError as e:
                 failed = f"rank {self.rank} rejected bucket {seq}: {e}"
+        if failed is None and self.reference is not None:
+            specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
+            problems = self.reference.problems(specs)
+            if problems:
+                failed = f"rank {self.rank} rejected bucket {seq}: " + "; ".join(problems[:5])
         if failed is None:
             self.channel.send(Ready(PROTOCOL_VERSION, self.rank, seq))
         else:
@@ -148,29 +163,79 @@ class Receiver:
             self._error(seq, f"rank {self.rank}: {text}")  # the sender may be waiting for us
             raise UpdateFailed(text)
 
+    def _first(self, timeout_s: float) -> tuple[Plan | None, BucketHeader]:
+        """The update's opening: an optional `Plan` (answered here), then header 0.
+
+        Leftovers of an earlier, aborted update are skipped. A refused plan still waits for the
+        sender's `Abort`, so both sides end the update the same way.
+        """
+        deadline = time.monotonic() + timeout_s
+        plan = None
+        while True:
+            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+            if isinstance(msg, Plan) and plan is None:
+                plan = msg
+                problem = self._plan_problem(plan)
+                if problem:
+                    self._error(-1, problem)
+                    try:  # the sender answers a refusal with Abort: end in step with it
+                        self._expect(Abort, -1, plan.version, self.cfg.timeout_s)
+                    except (UpdateFailed, TimeoutError):
+                        pass
+                    raise UpdateFailed(problem)
+                self.channel.send(Ready(PROTOCOL_VERSION, self.rank, -1))
+                deadline = time.monotonic() + self.cfg.timeout_s
+            elif isinstance(msg, BucketHeader):
+                if plan is not None and msg.version != plan.version:
+                    raise UpdateFailed(f"header of update {msg.version} after plan {plan.version}")
+                return plan, msg
+            elif plan is not None and isinstance(msg, Abort) and msg.version == plan.version:
+                raise UpdateFailed(f"sender aborted update {msg.version}: {msg.reason}")
+            else:
+                log.info("skipping a stale %s before the next update", type(msg).__name__)
+
+    def _plan_problem(self, plan: Plan) -> str:
+        """Why this receiver refuses `plan` ("" if it accepts it)."""
+        if plan.version <= self.state.version and not plan.force:
+            return (f"rank {self.rank} refused update {plan.version}: it holds version "
+                    f"{self.state.version} (push with force=True to go back)")
+        if self.reference is None:
+            return ""
+        problems = self.reference.problems(plan.tensors, plan.full)
+        if not problems:
+            return ""
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        return f"rank {self.rank} refused update {plan.version}: " + "; ".join(problems[:5]) + more
+
     def receive(self, loader: WeightLoader, timeout_s: float | None = None) -> dict:
         """Receive one whole update into `loader`; returns a msgpack-native summary.
 
-        `timeout_s` bounds the wait for the first header (the trainer may still be training);
-        every later wait is bounded by the config's `timeout_s`.
+        `timeout_s` bounds the wait for the update to start (the trainer may still be training);
+        every later wait is bounded by the config's `timeout_s`. In place, tensors are loaded
+        bucket by bucket; `staged` updates are held (cloned) until the last bucket arrived and
+        verified, then loaded at once, so a failure leaves the model untouched.
         """
+        if self.broken:
+            return self._summary(ok=False, seq=-1, nbytes=0,
+                                 error=f"transfer group is broken ({self.broken}); join again")
         t_wait = self.cfg.timeout_s
         re = Reassembler()
         seq, nbytes, ntensors = 0, 0, 0
         failed: str | None = None
         began = False
+        staged: list[tuple[str, torch.Tensor]] = []
         t0 = 0.0
         try:
-            header = self._expect(BucketHeader, 0, None, timeout_s or t_wait)
+            plan, header = self._first(timeout_s or t_wait)
             t0 = time.perf_counter()
             if self._cuda:
                 cur = torch.cuda.current_stream(self.transport.device)
                 for ev in self._free:  # all earlier work on the caller's stream precedes bucket 0/1
                     ev.record(cur)
-            failed = self._answer(header, 0, failed)
+            failed = self._answer(header, 0, failed, plan is not None)
             refused = failed is not None
             while True:
-                self._expect(Go, seq, header.version, t_wait)
+                go = self._expect(Go, seq, header.version, t_wait)
                 if refused:  # a sender must Abort a refused bucket: never size a collective by it
                     raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {failed}")
                 buf = self.buffers[seq % 2]
@@ -181,16 +246,29 @@ class Receiver:
                     failed = self._answer(nxt, seq + 1, failed)
                     refused_next = failed is not None
                 if work is not None:
-                    work.wait()
+                    try:
+                        work.wait()
+                    except RuntimeError as e:
+                        self.broken = f"collective of bucket {seq} failed: {e}"
+                        raise
                 nbytes += header.length
+                if failed is None and go.checksum:
+                    got = checksum(buf[: header.length])
+                    if got != go.checksum:
+                        failed = (f"rank {self.rank}: bucket {seq} arrived corrupted "
+                                  f"(checksum {got:#x} != sender's {go.checksum:#x}); not loaded")
                 if failed is None:
                     try:
-                        if not began:
-                            loader.begin()
-                            began = True
                         named = re.unpack(header, buf)
-                        loader.load(named)
                         ntensors += len(named)
+                        if header.staged:
+                            staged += [(n, t.clone()) for n, t in named]
+                            named = staged if header.is_last else []
+                        if named or header.is_last:
+                            if not began:
+                                loader.begin()
+                                began = True
+                            loader.load(named)
                         if header.is_last:
                             re.finish()
                             loader.finish()
@@ -214,6 +292,8 @@ class Receiver:
         except (UpdateFailed, TimeoutError, RuntimeError, ValueError) as e:
             if not isinstance(e, UpdateFailed):  # tell a sender that may still be waiting
                 self._error(seq, f"rank {self.rank}: {e}")
+                if t0:  # mid-update: collectives may be out of step with the sender's
+                    self.broken = self.broken or f"update {header.version} died mid-way: {e}"
             self.state.failures += 1
             self.state.last_error = str(e)
             if began:

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from .channel import SenderChannel
 from .config import SyncConfig
-from .packing import Bucket, as_bytes, pack, plan_buckets, tensor_nbytes
-from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Ready
+from .integrity import checksum
+from .packing import Bucket, as_bytes, dtype_name, pack, plan_buckets, tensor_nbytes
+from .protocol import PROTOCOL_VERSION, Abort, Ack, Error, Go, Hello, Plan, Ready, TensorSpec
 from .transport import Handle, Transport
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,17 @@ class PushResult:
 
 Progress = Callable[[int, int, float], None]
 """Called after each bucket is sent with (buckets so far, bytes so far, seconds so far)."""
+
+
+def _without_aliases(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The mapping's items, minus later names for a tensor already listed (tied weights)."""
+    seen: set[tuple] = set()
+    for name, t in tensors.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t
 
 
 def _with_last(it: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
@@ -136,14 +148,13 @@ class PushClient:
             raise PushError(f"update failed at bucket {seq}: {text}", errors)
         return got
 
-    def _await_ready(self, header: BucketHeader) -> None:
-        """Wait until every receiver accepted the (already sent) header; abort all on a refusal."""
+    def _await_ready(self, version: int, seq: int) -> None:
+        """Wait until every receiver accepted the (already sent) plan/header `seq`; on a refusal,
+        send `Abort` to all and raise."""
         try:
-            self._gather(Ready, header.seq)
+            self._gather(Ready, seq)
         except PushError as e:
-            self.channel.send_all(
-                self.ranks, Abort(PROTOCOL_VERSION, header.version, header.seq, str(e))
-            )
+            self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq, str(e)))
             raise _Announced(str(e), e.errors) from None
 
     def _wire(self, bucket: Bucket, seq: int, works: list[Handle | None]) -> torch.Tensor:
@@ -159,45 +170,65 @@ class PushClient:
 
     def push(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int,
         *,
         dtype: torch.dtype | None = None,
         progress: Progress | None = None,
         force: bool = False,
+        full: bool = False,
+        staged: bool = False,
     ) -> PushResult:
         """Send one complete update; returns once every receiver acknowledged it.
 
-        `dtype` casts floating-point tensors before they are packed (e.g. fp32 master weights to
-        the engine's bf16), halving the bytes on the wire. Raises `PushError` if any side failed;
-        every receiver then ends the update the same way (none is left inside a collective).
+        A mapping (a `state_dict()`) is announced first as a `Plan` that every receiver checks
+        against its model (names, shapes, dtypes; with `full`, that nothing is missing) before
+        any byte moves; tied aliases sharing one storage are sent once. An iterable (a generator
+        gathering FSDP shards one at a time) is streamed, and each bucket header is checked.
+        `dtype` casts floating-point tensors before packing (fp32 master weights to the engine's
+        bf16 halves the bytes). Receivers refuse a `version` not newer than the one they hold
+        unless `force`. `staged`: receivers load nothing until every bucket arrived and verified.
+        Raises `PushError` if any side failed; every receiver then ends the update the same way
+        (none is left inside a collective).
         """
         if self.transport is None:
             raise RuntimeError("call connect() before push()")
-        items: Iterable[tuple[str, torch.Tensor]] = (
-            named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        )
-        if dtype is not None:
-            items = ((n, t.to(dtype) if t.is_floating_point() else t) for n, t in items)
+        cast = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype else (lambda t: t)
+        plan = None
+        if isinstance(named_tensors, Mapping):
+            items = [(n, cast(t)) for n, t in _without_aliases(named_tensors)]
+            specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
+            plan = Plan(PROTOCOL_VERSION, version, specs, full, force)
+        else:
+            items = ((n, cast(t)) for n, t in named_tensors)
         buckets = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+        check = self.cfg.bucket_checksums
+        if check is None:
+            check = self.cfg.backend == "gloo"
+        if plan is not None:
+            self.channel.send_all(self.ranks, plan)
+            self._await_ready(version, -1)
         t0 = time.perf_counter()
         works: list[Handle | None] = [None, None]
         seq, nbytes, ntensors = 0, 0, 0
         try:
             bucket, is_last = next(buckets)
-            header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force)
+            header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force, staged)
             self.channel.send_all(self.ranks, header)
             wire = self._wire(bucket, 0, works)
             while True:
                 nxt = None if is_last else next(buckets)  # planned before Ready: off the path
-                self._await_ready(header)
-                self.channel.send_all(self.ranks, Go(PROTOCOL_VERSION, version, seq))
+                self._await_ready(version, seq)
+                digest = checksum(wire) if check and header.length else 0
+                self.channel.send_all(self.ranks, Go(PROTOCOL_VERSION, version, seq, digest))
                 # Nothing may fail between Go and queueing the collective it announces.
                 works[seq % 2] = self.transport.broadcast(wire) if header.length else None
                 done = header
                 if nxt is not None:  # announce k+1 at once: receivers check it while k flies
                     bucket, is_last = nxt
-                    header = bucket.header(version, seq + 1, is_last, PROTOCOL_VERSION, force)
+                    header = bucket.header(
+                        version, seq + 1, is_last, PROTOCOL_VERSION, force, staged
+                    )
                     self.channel.send_all(self.ranks, header)
                 nbytes += done.length
                 ntensors += sum(

@@ -7,6 +7,9 @@ Backends are chosen by name: `gloo` (CPU tensors) and `nccl` (CUDA tensors).
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from datetime import timedelta
 from typing import Protocol
 
@@ -20,6 +23,37 @@ class Handle(Protocol):
     """A collective in flight."""
 
     def wait(self) -> bool: ...
+
+
+def local_address(peer: str) -> str:
+    """The address of this host that the kernel routes to `peer` from (no packet is sent)."""
+    family, _, _, _, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def await_listener(host: str, port: int, timeout_s: float) -> None:
+    """Return once `host:port` accepts a TCP connection; `TimeoutError` naming it after `timeout_s`.
+
+    A `TCPStore` client retries on its own and can take about twice its timeout to give up, with
+    a message that does not say what to check; this wait is bounded and says it.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay, last = 0.05, None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except OSError as e:
+            last = e
+        time.sleep(max(min(delay, deadline - time.monotonic()), 0))
+        delay = min(delay * 2, 0.5)
+    raise TimeoutError(
+        f"the trainer's rendezvous (TCPStore) at {host}:{port} accepted no connection within "
+        f"{timeout_s:.1f} s (last error: {last}); is the trainer up, and is SyncConfig.host an "
+        f"address of it that this host can reach?"
+    )
 
 
 class Transport:
@@ -40,6 +74,8 @@ class Transport:
         else:
             self.device = torch.device("cpu")
         self._timeout = timedelta(seconds=cfg.timeout_s)
+        if rank != 0:
+            await_listener(cfg.host, cfg.group_port, cfg.timeout_s)
         self._store = dist.TCPStore(
             cfg.host,
             cfg.group_port,
@@ -54,7 +90,15 @@ class Transport:
         if cfg.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self._timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=cfg.host)]
+            # Each rank binds an address of its own host: the trainer its configured one, a
+            # receiver the one that routes to the trainer (GLOO_SOCKET_IFNAME overrides both).
+            ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+            if ifname:
+                device = dist.ProcessGroupGloo.create_device(interface=ifname)
+            else:
+                host = cfg.host if rank == 0 else local_address(cfg.host)
+                device = dist.ProcessGroupGloo.create_device(hostname=host)
+            opts._devices = [device]
             self.pg = dist.ProcessGroupGloo(store, rank, cfg.world_size, opts)
         else:
             nccl_opts = dist.ProcessGroupNCCL.Options()

@@ -1,9 +1,19 @@
 """Engine side, data plane: load received HF-named tensors into a running vLLM model.
 
 Loading goes through vLLM's own `model.load_weights`, so TP sharding and qkv/gate_up stacking are
-vLLM's. Where the parameter storage exists (GPU) the copy is in place and CUDA graphs stay valid. On
-the CPU backend, where vLLM packs linear weights after loading, `begin()`/`finish()` unpack and
-re-pack them through `patches.vllm_cpu_repack`. vLLM is imported lazily.
+vLLM's. Three ways, chosen per model (`mode="auto"`):
+
+* plain (GPU, unquantized): an in-place `copy_` into the existing parameters; CUDA graphs stay valid
+  and nothing extra is allocated.
+* layerwise (quantized linears, e.g. `quantization="fp8"` online): the parameters hold kernel-format
+  tensors (FP8, transposed, with scales), so checkpoint-format tensors go through vLLM's layerwise
+  reload, which re-quantizes each layer once it is whole and copies the result into the original
+  storage (`patches.vllm_layerwise`; received tensors an incomplete layer still holds are cloned,
+  since the receive buffer is reused).
+* CPU backend, where vLLM packs linear weights after loading: `begin()`/`finish()` unpack and
+  re-pack them through `patches.vllm_cpu_repack`.
+
+vLLM is imported lazily.
 """
 
 from __future__ import annotations
@@ -55,10 +65,20 @@ class VllmWeightLoader:
     any refill).
     """
 
-    def __init__(self, worker: Any) -> None:
+    MODES = ("auto", "plain", "layerwise")
+
+    def __init__(self, worker: Any, mode: str = "auto") -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode {mode!r} must be one of {self.MODES}")
         self.model: torch.nn.Module = worker.model_runner.model
         self.device: torch.device = torch.device(worker.device)
         self.vllm_config = worker.vllm_config
+        self.mode = mode
+        """auto: layerwise if a linear layer is quantized, else plain. The CPU backend re-packs
+        whatever the mode."""
+        self._lw: Any = None  # patches.vllm_layerwise when used, False when not (resolved lazily)
+        self._lw_active = False  # a layerwise update is in progress
+        self._retained_peak = 0
         # vLLM rejects a tied alias sent without its canonical name: see load()
         self.aliases = tied_aliases(self.model)
         self._cpu: Any = None  # patches.vllm_cpu_repack, on the CPU backend only
@@ -76,13 +96,33 @@ class VllmWeightLoader:
                 vllm_cpu_repack.check_version()
         return self._cpu
 
+    def _layerwise(self) -> Any:
+        """patches.vllm_layerwise if this model is loaded layerwise, else False."""
+        if self._lw is None:
+            use = False
+            if self.mode != "plain" and not self._repacker():  # the CPU backend always re-packs
+                from .patches import vllm_layerwise
+
+                use = self.mode == "layerwise" or vllm_layerwise.applies(self.model)
+                if use:
+                    vllm_layerwise.check_version()
+            self._lw = vllm_layerwise if use else False
+        return self._lw
+
     def begin(self) -> None:
-        """Prepare for a full or partial load (CPU: give packed linears a full weight again)."""
+        """Prepare for a full or partial load (CPU: give packed linears a full weight again;
+        quantized: put the layers back in checkpoint format for a layerwise reload)."""
         if self._unpacked is not None:
             self.abort()  # an earlier update never finished
         self.loaded = set()
+        self.stats = {}
         cpu = self._repacker()
         self._unpacked = cpu.unpack_linears(self.model) if cpu else []
+        lw = self._layerwise()
+        if lw:
+            lw.begin(self.model)
+            self._lw_active = True
+            self._retained_peak = 0
 
     @torch.no_grad()
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
@@ -100,11 +140,20 @@ class VllmWeightLoader:
         ]
         done = set(self.model.load_weights(iter(batch)) or ())
         self.loaded |= done
+        if self._lw_active:  # incomplete layers must not keep views of the caller's buffer
+            held = self._lw.retain_pending(self.model)
+            self._retained_peak = max(self._retained_peak, held)
         return done
 
     def finish(self) -> None:
         """Make the loaded weights take effect (CPU: re-pack) and release temporary full weights."""
         if self._unpacked is None:
+            return
+        if self._lw_active:
+            self._lw_active = False
+            self._unpacked = None
+            self._lw.finish(self.model, self.vllm_config.model_config)
+            self.stats = {"layerwise": 1, "retained_peak_bytes": self._retained_peak}
             return
         cpu = self._repacker()
         counts: dict[str, int] = {}
@@ -122,6 +171,14 @@ class VllmWeightLoader:
 
         Every layer ends up usable (old, new or a mix of weights), so the engine keeps serving."""
         if self._unpacked is None:
+            return
+        if self._lw_active:  # layers loaded in full keep the new weights, the rest the old ones
+            self._lw_active = False
+            self._unpacked = None
+            try:
+                self._lw.abort(self.model, self.vllm_config.model_config)
+            except Exception:
+                log.exception("finalizing the layerwise reload after a failed update failed")
             return
         cpu = self._repacker()
         entries, self._unpacked = self._unpacked, None

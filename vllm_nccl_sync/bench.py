@@ -1,0 +1,220 @@
+"""`vllm-nccl-sync bench`: this project's push vs a raw broadcast of the same bytes, in one run.
+
+Two processes on whatever this machine has: with 2+ GPUs a trainer on cuda:0 and a receiver on
+cuda:1 over NCCL, else both on CPU over gloo. Both join one transfer group (`PushClient` /
+`Receiver`); each repetition times, on the trainer's clock, from a barrier to the receiver's
+confirmation that everything is in place:
+
+  raw   one broadcast of a contiguous buffer of the payload's size (the link's ceiling here)
+  push  `PushClient.push` of the synthetic model's tensors -> `Receiver.receive` into
+        preallocated tensors (`ModuleLoader`), headers, Ready/Go, loads and acks included
+
+Raw and push alternate, so drift hits both. After the last push, every received tensor is
+checked bit for bit (sha256) against the trainer's. `benchmarks/bench_nccl.py` is the full
+benchmark (several models, baselines, memory); this is the compact check for any machine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import time
+import traceback
+from typing import Any
+
+import torch
+
+MiB = 1024 * 1024
+
+
+def synthetic_tensors(total_bytes: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A transformer-like mix of about `total_bytes`: bf16 matrices (one embedding of ~1/8,
+    layers of two matrices) with fp32 norm vectors and bf16 biases between them."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = 256 if total_bytes < 64 * MiB else 2048
+    out: dict[str, torch.Tensor] = {}
+
+    def add(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        out[name] = torch.randn(shape, generator=g).to(dtype).to(device)
+
+    add("embed.weight", (max(total_bytes // 8 // (2 * hidden), 1), hidden), torch.bfloat16)
+    left = total_bytes - out["embed.weight"].nbytes
+    layers = 8
+    rows = max(left // layers // 2 // (2 * hidden), 1)
+    for i in range(layers):
+        add(f"layers.{i}.norm.weight", (hidden,), torch.float32)
+        add(f"layers.{i}.attn.weight", (rows, hidden), torch.bfloat16)
+        add(f"layers.{i}.attn.bias", (rows,), torch.bfloat16)
+        add(f"layers.{i}.mlp.weight", (rows, hidden), torch.bfloat16)
+    return out
+
+
+class _Params:
+    """The two methods `ModuleLoader` reads, over a dict of preallocated tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def named_parameters(self):
+        return iter(self.tensors.items())
+
+    def named_buffers(self):
+        return iter(())
+
+
+def _role(role: int, args: dict) -> dict:
+    from .config import SyncConfig
+    from .loaders import ModuleLoader
+    from .metrics import ProgressPrinter
+    from .receiver import Receiver
+    from .sender import PushClient
+    from .verify import digest
+
+    gpu = args["backend"] == "nccl"
+    if gpu:
+        torch.cuda.set_device(role)
+        dev = torch.device("cuda", role)
+    else:
+        dev = torch.device("cpu")
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.current_stream(dev).synchronize()
+
+    cfg = SyncConfig(**args["cfg"])
+    tensors = synthetic_tensors(args["size"], seed=1 + role, device=dev)
+    if role == 0:
+        client = PushClient(cfg, device=dev)
+        client.connect()
+        tr = client.transport
+    else:
+        rx = Receiver(cfg, 1, device=dev)
+        tr = rx.transport
+    payload = sum(t.nbytes for t in tensors.values())
+    big = torch.empty(payload, dtype=torch.uint8, device=dev)
+    if role == 0:
+        big.random_(0, 256)
+    one = torch.ones(1, dtype=torch.uint8, device=dev)
+
+    def barrier() -> None:
+        tr.broadcast(one, src=0).wait()
+        tr.broadcast(one, src=1).wait()
+        sync()
+
+    def confirm() -> None:  # the receiver says "all in place": queued after its loads
+        tr.broadcast(one, src=1).wait()
+        sync()
+
+    raw, push, results = [], [], []
+    for rep in range(args["reps"] + 1):  # the first of each is a warm-up
+        barrier()
+        t0 = time.perf_counter()
+        tr.broadcast(big).wait()
+        confirm()
+        raw.append(time.perf_counter() - t0)
+
+        barrier()
+        t0 = time.perf_counter()
+        if role == 0:
+            show = args["progress"] and rep == args["reps"]
+            printer = ProgressPrinter(payload, label="push") if show else None
+            res = client.push(tensors, version=rep + 1, progress=printer)
+            if printer:
+                printer.finish(res)
+            results.append(res)
+        else:
+            summary = rx.receive(ModuleLoader(_Params(tensors)), timeout_s=cfg.timeout_s)
+            if not summary["ok"]:
+                raise RuntimeError(f"receive failed: {summary}")
+        push.append(time.perf_counter() - t0)
+    sync()
+    digests = {n: digest(t) for n, t in tensors.items()}
+    out: dict[str, Any] = {"role": role, "digests": digests}
+    if role == 0:
+        last = results[-1]
+        out.update(raw=raw[1:], push=push[1:], payload=payload, tensors=len(tensors),
+                   buckets=last.buckets, wire=last.bytes)
+        client.close()
+    else:
+        rx.close()
+    return out
+
+
+def _entry(q: Any, role: int, args: dict) -> None:
+    try:
+        q.put((role, True, _role(role, args)))
+    except BaseException:
+        q.put((role, False, traceback.format_exc()))
+
+
+def _run_pair(args: dict, deadline_s: float) -> list[dict]:
+    """Both roles in spawned processes; the remote traceback or a deadline raises RuntimeError."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(q, r, args), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    end = time.monotonic() + deadline_s
+    try:
+        while len(got) < 2:
+            if time.monotonic() > end:
+                raise RuntimeError(f"benchmark still running after {deadline_s:.0f} s")
+            try:
+                role, ok, val = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a benchmark process died (exit codes {dead})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"benchmark process {role} failed:\n{val}")
+            got[role] = val
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    return [got[0], got[1]]
+
+
+def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "auto",
+        timeout_s: float = 120.0, deadline_s: float = 600.0, progress: bool = False) -> dict:
+    """Run the benchmark; returns medians, GB/s, their ratio and whether the bytes are exact."""
+    from .config import SyncConfig
+    from .sync import free_port
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise ValueError("the nccl backend needs 2 GPUs here")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+    cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=2,
+                     backend=backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    args = {"cfg": cfg.to_dict(), "backend": backend, "size": size_bytes, "reps": reps,
+            "progress": progress}
+    trainer, receiver = _run_pair(args, deadline_s)
+    raw_s, push_s = statistics.median(trainer["raw"]), statistics.median(trainer["push"])
+    n = trainer["payload"]
+    where = "cuda:0 -> cuda:1" if backend == "nccl" else "cpu -> cpu (2 processes)"
+    return {"backend": backend, "where": where, "payload_bytes": n, "tensors": trainer["tensors"],
+            "bucket_bytes": bucket_bytes, "buckets": trainer["buckets"],
+            "wire_bytes": trainer["wire"], "reps": reps,
+            "raw_s": raw_s, "push_s": push_s, "raw_gbps": n / raw_s / 1e9,
+            "push_gbps": n / push_s / 1e9, "ratio": raw_s / push_s,
+            "raw_times_s": trainer["raw"], "push_times_s": trainer["push"],
+            "bit_exact": trainer["digests"] == receiver["digests"]}
+
+
+def format_report(r: dict) -> str:
+    return "\n".join([
+        f"bench: {r['backend']} {r['where']}; {r['payload_bytes'] / MiB:.1f} MiB in "
+        f"{r['tensors']} tensors; bucket {r['bucket_bytes'] / MiB:g} MiB; median of {r['reps']}",
+        f"  raw broadcast   {r['raw_gbps']:8.2f} GB/s  {r['raw_s'] * 1e3:9.2f} ms",
+        f"  vllm-nccl-sync  {r['push_gbps']:8.2f} GB/s  {r['push_s'] * 1e3:9.2f} ms  "
+        f"({r['buckets']} buckets, wire {r['wire_bytes'] / r['payload_bytes']:.3f} x payload)",
+        f"  push / raw      {r['ratio']:8.3f}",
+        f"  bit-exact       {'yes' if r['bit_exact'] else 'NO'}",
+    ])
