@@ -17,6 +17,14 @@ class Ext:
     """Receives weight updates pushed by `vllm_nccl_sync.PushClient` into the running model."""
 
     _nccl_sync: Any = None  # (Receiver, VllmWeightLoader) once joined
+    _nccl_sync_held: Any = None  # ReceiverState: outlives re-joins
+
+    def _nccl_sync_state_obj(self) -> Any:
+        from .receiver import ReceiverState
+
+        if self._nccl_sync_held is None:
+            self._nccl_sync_held = ReceiverState()
+        return self._nccl_sync_held
 
     def nccl_sync_join(self, cfg: dict[str, Any], rank_offset: int = 1) -> dict[str, Any]:
         """Join the trainer's transfer group; blocks until the trainer's `connect()` meets it.
@@ -45,7 +53,7 @@ class Ext:
         device = self.device if sync_cfg.backend == "nccl" else None
         receiver = Receiver(
             sync_cfg, rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size, device=device,
-            reference=_reference(self.vllm_config),
+            reference=_reference(self.vllm_config), state=self._nccl_sync_state_obj(),
         )
         self._nccl_sync = (receiver, VllmWeightLoader(self))
         return {"rank": rank, "replica": replica, "tp_rank": tp_rank, "tp_size": tp_size}
@@ -59,12 +67,10 @@ class Ext:
 
     def nccl_sync_state(self) -> dict[str, Any]:
         """Weight version held, consistency, and counters of this worker."""
-        if self._nccl_sync is None:
-            return {"joined": False}
-        st = self._nccl_sync[0].state
+        st = self._nccl_sync_state_obj()
         return {
-            "joined": True,
-            "rank": self._nccl_sync[0].rank,
+            "joined": self._nccl_sync is not None,
+            "rank": self._nccl_sync[0].rank if self._nccl_sync is not None else -1,
             "version": st.version,
             "consistent": st.consistent,
             "updates": st.updates,

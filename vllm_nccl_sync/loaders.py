@@ -16,8 +16,8 @@ class ModuleLoader:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.targets: dict[str, torch.Tensor] = dict(module.named_parameters())
-        self.targets.update(module.named_buffers())
+        self.targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        self.targets.update(module.named_buffers(remove_duplicate=False))
         self.loaded: set[str] = set()
 
     def begin(self) -> None:

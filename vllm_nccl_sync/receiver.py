@@ -31,6 +31,7 @@ from .channel import ReceiverChannel
 from .config import SyncConfig
 from .handshake import Reference
 from .integrity import checksum
+from .metrics import observe_update
 from .packing import Reassembler, validate_header
 from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Plan, Ready, TensorSpec
 from .transport import Transport
@@ -83,16 +84,18 @@ class Receiver:
         tp_size: int = 1,
         device: torch.device | None = None,
         reference: Reference | None = None,
+        state: ReceiverState | None = None,
     ) -> None:
         """Join as `rank`; `reference` (the engine's tensors) lets plans and headers be checked
-        against the model before any byte moves."""
+        against the model before any byte moves; `state` carries what the worker holds across
+        re-joins (a re-joined worker must not forget that its weights are inconsistent)."""
         if rank == 0:
             raise ValueError("rank 0 is the sender")
         self.cfg = cfg
         self.rank = rank
         self.reference = reference
         self.broken = ""  # why the data-plane group can no longer be trusted ("" while healthy)
-        self.state = ReceiverState()
+        self.state = state if state is not None else ReceiverState()
         self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
         self.channel.send(
             Hello(PROTOCOL_VERSION, rank, replica, tp_rank, tp_size, cfg.bucket_bytes, cfg.backend)
@@ -320,6 +323,7 @@ class Receiver:
             "bytes": nbytes,
         }
         out.update(extra)
+        observe_update(self, out)  # every update ends here: one event line, Prometheus series
         return out
 
     def close(self) -> None:

@@ -76,6 +76,14 @@ class Transport:
         self._timeout = timedelta(seconds=cfg.timeout_s)
         if rank != 0:
             await_listener(cfg.host, cfg.group_port, cfg.timeout_s)
+        listen_fd = None
+        if rank == 0:  # bind the configured address only (TCPStore alone binds every interface)
+            family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((cfg.host, cfg.group_port))
+            listener.listen(max(cfg.world_size, 16))
+            listen_fd = listener.detach()  # the store owns and closes it
         self._store = dist.TCPStore(
             cfg.host,
             cfg.group_port,
@@ -83,6 +91,7 @@ class Transport:
             is_master=rank == 0,
             timeout=self._timeout,
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
         store = dist.PrefixStore("vllm_nccl_sync", self._store)
         self.bytes_moved = 0

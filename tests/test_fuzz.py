@@ -1,0 +1,845 @@
+"""Fuzz (property-based): hostile or broken input never gets past the checks unsafely.
+
+(a) `protocol.decode` on arbitrary bytes, mutated valid frames and mutated msgpack maps: a `Message`
+    or `ProtocolError`, nothing else. (b) `packing.validate_header` on generated and mutated
+    headers: a `ValueError` naming the problem, or a header that is checked here to be safe.
+(c) a real `Receiver` (only its data-plane transport stood in) on a real `ReceiverChannel`, fed
+    by a hostile sender on a real ROUTER socket: every hostile sequence ends in
+    `{"ok": False, "error": ...}` naming the problem within its timeout, and no data of a refused
+    bucket reaches the loader. A few sequences run over a real 2-rank gloo group as well.
+
+Deterministic (derandomized, no example database). Every frame or header tried is counted; the last
+test reports the counts (terminal line and `record_property`) and asserts at least 10,000.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+import typing
+from collections import Counter
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import vllm_nccl_sync.receiver as receiver_mod
+from tests.conftest import free_port
+from vllm_nccl_sync.channel import _META, _TO_RECEIVER, FRAMING, SenderChannel, _mac
+from vllm_nccl_sync.config import SyncConfig
+from vllm_nccl_sync.packing import (
+    ALIGN,
+    DTYPES,
+    Reassembler,
+    align_up,
+    pack,
+    plan_buckets,
+    validate_header,
+)
+from vllm_nccl_sync.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    BucketHeader,
+    Error,
+    Go,
+    Message,
+    ProtocolError,
+    Ready,
+    Slot,
+    decode,
+    encode,
+)
+from vllm_nccl_sync.transport import Transport
+
+P = PROTOCOL_VERSION
+COUNTS: Counter[str] = Counter()
+"""Frames/headers/sequences tried, per test (reported by `test_fuzz_totals`)."""
+MIN_TOTAL = 10_000
+
+
+def fuzz(n: int):
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+# ---------------------------------------------------------------- (a) the decoder
+
+MESSAGE_TYPES = typing.get_args(Message)
+TAGS = {c.__struct_config__.tag for c in MESSAGE_TYPES}
+INT64 = st.integers(-(2**63), 2**63 - 1)
+INTS = st.one_of(st.integers(-3, 70), INT64, st.integers(2**63, 2**64 - 1))
+
+
+def for_type(tp) -> st.SearchStrategy:
+    """A strategy of valid values for a field type of the protocol (works for new fields too)."""
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        return INTS
+    if tp is float:
+        return st.floats()
+    if tp is str:
+        return st.text(max_size=12)
+    if typing.get_origin(tp) is list:
+        return st.lists(for_type(typing.get_args(tp)[0]), max_size=4)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return struct_of(tp)
+    raise TypeError(f"no strategy for {tp!r}")
+
+
+def struct_of(cls) -> st.SearchStrategy:
+    kw = {f.name: st.just(P) if f.name == "protocol" else for_type(f.type)
+          for f in msgspec.structs.fields(cls)}
+    return st.builds(cls, **kw)
+
+
+MESSAGES = st.one_of([struct_of(c) for c in MESSAGE_TYPES])
+
+
+def check_decode(frame) -> Message | None:
+    """The property: a valid `Message` of this protocol version, or `ProtocolError` with a text."""
+    COUNTS["decode"] += 1
+    try:
+        msg = decode(frame)
+    except ProtocolError as e:
+        assert str(e)
+        return None
+    assert isinstance(msg, MESSAGE_TYPES) and msg.protocol == P
+    again = encode(msg)
+    assert encode(decode(again)) == again  # a decoded message is a well-formed, stable value
+    return msg
+
+
+@fuzz(2000)
+@given(st.binary(max_size=300))
+def test_decode_arbitrary_bytes(frame):
+    for f in (frame, frame[: len(frame) // 2], frame + frame[:7]):  # itself, cut, extended
+        check_decode(f)
+    try:
+        decode(memoryview(frame))  # zero-copy input behaves the same
+    except ProtocolError:
+        pass
+
+
+MUTATION = st.tuples(
+    st.sampled_from(["flip", "set", "insert", "delete", "truncate", "extend", "dup"]),
+    st.integers(0, 2**16),
+    st.binary(min_size=1, max_size=9),
+)
+
+
+def mutate(frame: bytes, op: str, pos: int, data: bytes) -> bytes:
+    n = len(frame)
+    i = pos % (n + 1)
+    if op == "flip" and n:
+        i %= n
+        return frame[:i] + bytes([frame[i] ^ (1 << (data[0] % 8))]) + frame[i + 1 :]
+    if op == "set" and n:
+        i %= n
+        return frame[:i] + data[:1] + frame[i + 1 :]
+    if op == "insert":
+        return frame[:i] + data + frame[i:]
+    if op == "delete":
+        return frame[:i] + frame[i + 1 + data[0] % 4 :]
+    if op == "truncate":
+        return frame[:i]
+    if op == "extend":
+        return frame + data
+    if op == "dup":
+        return frame[:i] + frame[i : i + 1 + data[0] % 16] + frame[i:]
+    return frame
+
+
+@fuzz(500)
+@given(MESSAGES, st.lists(MUTATION, min_size=1, max_size=12))
+def test_decode_mutated_valid_frames(msg, mutations):
+    frame = encode(msg)
+    assert encode(check_decode(frame)) == frame
+    for op, pos, data in mutations:  # every step of the chain is a frame of its own
+        frame = mutate(frame, op, pos, data)
+        check_decode(frame)
+
+
+MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | INT64 | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@fuzz(300)
+@given(MSGPACK_VALUES)
+def test_decode_arbitrary_msgpack(value):
+    check_decode(msgspec.msgpack.encode(value))
+
+
+WRONG_KINDS = {"none": None, "bool": True, "int": 7, "float": 1.5, "str": "x", "bytes": b"x",
+               "list": [1], "map": {"k": 1}}
+ACCEPTED_KINDS = {int: {"int"}, bool: {"bool"}, float: {"float", "int"}, str: {"str"}}
+
+
+def wrong_value_for(tp, kind: str):
+    """A value of `kind` that `tp` does not accept, or None if `kind` fits `tp`."""
+    ok = ACCEPTED_KINDS.get(tp, {"list"} if typing.get_origin(tp) is list else set())
+    return None if kind in ok else WRONG_KINDS[kind]
+
+
+MAP_MUTATIONS = ["wrong_type", "extra_field", "missing_field", "wrong_tag", "no_tag",
+                 "wrong_version", "slot_extra_field", "slot_wrong_type", "same_type"]
+
+
+@fuzz(700)
+@given(MESSAGES, st.sampled_from(MAP_MUTATIONS), st.data())
+def test_decode_mutated_maps(msg, mutation, data):
+    """Maps with wrong types, extra or missing fields, wrong tags or versions are rejected."""
+    d = msgspec.to_builtins(msg)
+    fields = {f.name: f for f in msgspec.structs.fields(type(msg))}
+    must_fail = True
+    match = None
+    if mutation == "wrong_type":
+        name = data.draw(st.sampled_from(sorted(fields)))
+        kind = data.draw(st.sampled_from(sorted(WRONG_KINDS)))
+        value = wrong_value_for(fields[name].type, kind)
+        if value is None:
+            must_fail = False
+        else:
+            d[name] = value
+    elif mutation == "extra_field":
+        key = data.draw(st.text(max_size=8).filter(lambda k: k not in fields and k != "type"))
+        d[key] = data.draw(MSGPACK_VALUES)
+        match = "unknown field"
+    elif mutation == "missing_field":
+        required = sorted(n for n, f in fields.items() if f.required)
+        del d[data.draw(st.sampled_from(required))]
+        match = "missing required field"
+    elif mutation == "wrong_tag":
+        d["type"] = data.draw(st.one_of(st.text(max_size=8).filter(lambda t: t not in TAGS),
+                                        INT64, st.none()))
+    elif mutation == "no_tag":
+        del d["type"]
+    elif mutation == "wrong_version":
+        d["protocol"] = data.draw(INT64.filter(lambda v: v != P))
+        match = "protocol version"
+    elif mutation in ("slot_extra_field", "slot_wrong_type"):
+        if not isinstance(msg, BucketHeader) or not msg.slots:
+            must_fail = False
+        elif mutation == "slot_extra_field":
+            d["slots"][0]["zz_extra"] = 1
+            match = "unknown field"
+        else:
+            d["slots"][-1]["shape"] = "not a list"
+    else:  # same_type: another valid value for one field still decodes, to that value
+        name = data.draw(st.sampled_from(sorted(n for n in fields if n != "protocol")))
+        value = data.draw(for_type(fields[name].type))
+        d[name] = msgspec.to_builtins(value)
+        must_fail = False
+    frame = msgspec.msgpack.encode(d)
+    if not must_fail:
+        got = check_decode(frame)
+        if mutation == "same_type":
+            assert got is not None and encode(getattr(got, name)) == encode(value)
+        return
+    COUNTS["decode"] += 1
+    with pytest.raises(ProtocolError, match=match):
+        decode(frame)
+
+
+def test_decode_deep_nesting_is_a_protocol_error():
+    """Regression: msgspec skipping a deeply nested unknown value raised RecursionError."""
+    frame = b"\x82\xa1x" + b"\x91" * 200_000 + b"\xc0" + b"\xa4type\xa2go"
+    COUNTS["decode"] += 1
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        decode(frame)
+
+
+# ---------------------------------------------------------------- (b) the header validator
+
+PROBLEMS = {
+    "seq_gap": "sequence gap",
+    "seq_repeat": "sequence repeat",
+    "length_over": r"outside \[0, capacity",
+    "length_negative": r"outside \[0, capacity",
+    "length_short": "past the bucket length",
+    "length_long": r"!= end of its last tensor|outside \[0, capacity",
+    "misalign": "not aligned",
+    "overlap": "overlaps the previous slot",
+    "negative_offset": "is negative",
+    "offset_out_of_range": r"past the bucket length",
+    "unknown_dtype": "unknown dtype",
+    "negative_dim": "negative dimension",
+    "huge_dim": "too large",
+    "not_whole": "whole .* elements",
+    "start_beyond": "exceed its size",
+    "empty_chunk": "empty chunk",
+    "duplicate_name": "duplicate name",
+}
+ANY_PROBLEM = "|".join(PROBLEMS.values())
+MUTATIONS = sorted(PROBLEMS) + ["random_int", "random_int", "random_int"]
+
+
+@st.composite
+def valid_headers(draw):
+    """A header obeying every rule (gaps between slots allowed), with its capacity and seq."""
+    capacity = draw(st.sampled_from([64, 256, 1024, 4096]))
+    seq = draw(st.integers(0, 5))
+    slots: list[Slot] = []
+    end = 0
+    for i in range(draw(st.integers(0, 6))):
+        dtype = draw(st.sampled_from(sorted(DTYPES)))
+        itemsize = DTYPES[dtype].itemsize
+        shape = draw(st.lists(st.integers(0, 12), max_size=3))
+        numel = math.prod(shape)
+        total = numel * itemsize
+        start, nbytes = 0, total
+        if numel > 1 and draw(st.booleans()):  # a chunk of a tensor split over buckets
+            a = draw(st.integers(0, numel - 1))
+            b = draw(st.integers(a + 1, numel))
+            start, nbytes = a * itemsize, (b - a) * itemsize
+        offset = align_up(end) + ALIGN * draw(st.integers(0, 2))
+        if offset + nbytes > capacity:
+            break
+        slots.append(Slot(f"t{i}", dtype, shape, offset, nbytes, start))
+        end = offset + nbytes
+    h = BucketHeader(P, draw(st.integers(0, 9)), seq, end, draw(st.booleans()), slots)
+    return h, capacity, seq
+
+
+def _replace_slot(h: BucketHeader, i: int, **kw) -> BucketHeader:
+    slots = list(h.slots)
+    slots[i] = msgspec.structs.replace(slots[i], **kw)
+    return msgspec.structs.replace(h, slots=slots)
+
+
+def apply_header_mutation(data, h: BucketHeader, capacity: int, seq: int, kind: str):
+    """Returns (header, expected_seq, invalidates): the mutated header and whether it must fail."""
+    r = msgspec.structs.replace
+    n = len(h.slots)
+    pick = lambda lo=0: data.draw(st.integers(lo, n - 1))  # noqa: E731
+
+    def sane(s: Slot) -> bool:  # an earlier mutation may have broken the slot already
+        return s.dtype in DTYPES and all(0 <= d < 2**20 for d in s.shape) and len(s.shape) < 8
+    if kind == "seq_gap":
+        return r(h, seq=seq + data.draw(st.integers(1, 2**40))), seq, True
+    if kind == "seq_repeat":
+        return h, seq + data.draw(st.integers(1, 2**40)), True
+    if kind == "length_over":
+        return r(h, length=capacity + data.draw(st.integers(1, 2**62))), seq, True
+    if kind == "length_negative":
+        return r(h, length=-data.draw(st.integers(1, 2**62))), seq, True
+    if kind == "length_short" and n and h.length > h.slots[-1].offset:
+        return r(h, length=data.draw(st.integers(h.slots[-1].offset, h.length - 1))), seq, True
+    if kind == "length_long":
+        return r(h, length=h.length + data.draw(st.integers(1, capacity))), seq, True
+    if kind == "misalign" and n:
+        i = pick()
+        off = h.slots[i].offset + data.draw(st.integers(1, 63))
+        return _replace_slot(h, i, offset=off), seq, True
+    if kind == "overlap" and n > 1:
+        i = pick(1)
+        prev = h.slots[i - 1]
+        if prev.nbytes:
+            return _replace_slot(h, i, offset=prev.offset + prev.nbytes - 1), seq, True
+    if kind == "negative_offset" and n:
+        return _replace_slot(h, 0, offset=-ALIGN * data.draw(st.integers(1, 2**40))), seq, True
+    if kind == "offset_out_of_range" and n:
+        off = align_up(capacity) + ALIGN * data.draw(st.integers(0, 2**40))
+        return _replace_slot(h, n - 1, offset=off), seq, True
+    if kind == "unknown_dtype" and n:
+        bad = data.draw(st.text(max_size=10).filter(lambda t: t not in DTYPES))
+        return _replace_slot(h, pick(), dtype=bad), seq, True
+    if kind == "negative_dim" and n:
+        i = pick()
+        shape = list(h.slots[i].shape) + [-data.draw(st.integers(1, 2**63))]
+        return _replace_slot(h, i, shape=data.draw(st.permutations(shape))), seq, True
+    if kind == "huge_dim" and n:
+        i = pick()
+        big = data.draw(st.sampled_from([[2**63], [2**64 - 1], [2**40, 2**40], [3] * 60]))
+        return _replace_slot(h, i, shape=big), seq, True
+    if kind == "not_whole" and n and sane(h.slots[i := pick()]):
+        itemsize = DTYPES[h.slots[i].dtype].itemsize
+        if itemsize > 1:
+            field = data.draw(st.sampled_from(["nbytes", "start"]))
+            bump = data.draw(st.integers(1, itemsize - 1))
+            return _replace_slot(h, i, **{field: getattr(h.slots[i], field) + bump}), seq, True
+    if kind == "start_beyond" and n and sane(h.slots[i := pick()]):
+        s = h.slots[i]
+        itemsize = DTYPES[s.dtype].itemsize
+        total = math.prod(s.shape) * itemsize
+        start = total - s.nbytes + itemsize * data.draw(st.integers(1, 100))
+        return _replace_slot(h, i, start=start), seq, True
+    if kind == "empty_chunk" and n and sane(h.slots[i := pick()]):
+        if math.prod(h.slots[i].shape):
+            return _replace_slot(h, i, nbytes=0, start=0), seq, True
+    if kind == "duplicate_name" and n > 1:
+        i = pick(1)
+        return _replace_slot(h, i, name=h.slots[data.draw(st.integers(0, i - 1))].name), seq, True
+    if kind == "random_int":  # any integer anywhere: may or may not break a rule
+        if n and data.draw(st.booleans()):
+            i = pick()
+            field = data.draw(st.sampled_from(["offset", "nbytes", "start"]))
+            return _replace_slot(h, i, **{field: data.draw(INTS)}), seq, False
+        return r(h, length=data.draw(INTS)), seq, False
+    return h, seq, False
+
+
+def assert_safe(h: BucketHeader, capacity: int) -> None:
+    """The invariant an accepted header must satisfy, checked independently of the validator."""
+    assert 0 <= h.length <= capacity
+    end, names = 0, set()
+    for s in h.slots:
+        assert s.dtype in DTYPES and s.name not in names
+        names.add(s.name)
+        itemsize = DTYPES[s.dtype].itemsize
+        assert all(0 <= d < 2**63 for d in s.shape)
+        total = (0 if 0 in s.shape else math.prod(s.shape)) * itemsize
+        assert end <= s.offset and s.offset % ALIGN == 0  # in order, aligned, no overlap
+        assert 0 <= s.nbytes and s.offset + s.nbytes <= h.length  # inside [0, length]
+        assert s.nbytes % itemsize == 0 and s.start % itemsize == 0 and s.start >= 0
+        assert s.start + s.nbytes <= total and (s.nbytes > 0 or total == 0)
+        end = s.offset + s.nbytes
+    assert end == h.length
+    buf = torch.zeros(capacity, dtype=torch.uint8)
+    try:
+        out = Reassembler().unpack(h, buf)
+    except ValueError:  # e.g. a lone middle chunk: refused, nothing else
+        return
+    by_name = {s.name: s for s in h.slots}
+    for name, t in out:
+        s = by_name[name]
+        assert t.dtype == DTYPES[s.dtype] and list(t.shape) == s.shape
+        if t.numel() and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            lo = t.data_ptr() - buf.data_ptr()  # a view of the buffer: inside the payload
+            assert lo == s.offset and lo + s.nbytes <= h.length
+
+
+@fuzz(1200)
+@given(valid_headers(), st.lists(st.sampled_from(MUTATIONS), max_size=3), st.data())
+def test_validate_header_rejects_or_is_safe(base, mutations, data):
+    h, capacity, seq = base
+    COUNTS["header"] += 1
+    if not mutations:
+        validate_header(h, seq, capacity)  # the generator makes valid headers
+        assert_safe(h, capacity)
+        return
+    invalidating = []
+    for kind in mutations:
+        h, seq, bad = apply_header_mutation(data, h, capacity, seq, kind)
+        if bad:
+            invalidating.append(kind)
+    try:
+        validate_header(h, seq, capacity)
+    except ValueError as e:
+        assert re.search(ANY_PROBLEM, str(e)), f"unnamed problem: {e}"
+        if len(mutations) == 1 and invalidating:
+            assert re.search(PROBLEMS[mutations[0]], str(e)), (mutations, str(e))
+        return
+    assert not (len(mutations) == 1 and invalidating), f"{mutations} accepted: {h}"
+    assert_safe(h, capacity)
+
+
+# ---------------------------------------------------------------- (c) the receiver end to end
+
+SECRET = "5ec7e7" * 8
+T = 0.3  # every wait of the receiver in these tests (queued frames arrive in microseconds)
+CAP = 1024
+
+
+class StandInTransport:
+    """The data plane only: `broadcast` fills the buffer with a marker (its call number) and is
+    done at once. `log` (shared with the receiver's channel spy) orders answers and broadcasts."""
+
+    def __init__(self, cfg, rank, device=None):
+        self.device = torch.device("cpu")
+        self.calls = 0
+        self.log: list[tuple[str, int]] = []
+
+    def broadcast(self, tensor, src=0):
+        self.calls += 1
+        tensor.fill_(self.calls)
+        self.log.append(("broadcast", self.calls))
+        return self
+
+    def wait(self):
+        return True
+
+    def close(self):
+        pass
+
+
+class RecordingLoader:
+    def __init__(self):
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+        self.began = self.finished = self.aborted = False
+
+    def begin(self):
+        self.began = True
+
+    def load(self, named):
+        for n, t in named:
+            self.loaded.append((n, t.contiguous().reshape(-1).view(torch.uint8).clone()))
+        return {n for n, _ in named}
+
+    def finish(self):
+        self.finished = True
+
+    def abort(self):
+        self.aborted = True
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    """A real ROUTER socket (the trainer's channel) and the receivers' config; Receiver gets
+    the data-plane stand-in while this module runs."""
+    port = free_port()
+    cfg = SyncConfig(control_port=port, group_port=free_port(), world_size=2, bucket_bytes=CAP,
+                     timeout_s=T, secret=SECRET)
+    trainer = SenderChannel("127.0.0.1", port, cfg.secret_bytes)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(receiver_mod, "Transport", StandInTransport)
+        yield trainer, cfg
+    trainer.close()
+
+
+def new_receiver(trainer: SenderChannel, cfg: SyncConfig):
+    """A real `Receiver` (fresh session); returns it and the list of messages it sends."""
+    rx = receiver_mod.Receiver(cfg, 1)
+    sent: list[Message] = []
+    real_send = rx.channel.send
+    log = rx.transport.log
+
+    def spy(m):
+        sent.append(m)
+        if isinstance(m, (Ready, Error)):
+            log.append((type(m).__name__, m.seq))
+        real_send(m)
+
+    rx.channel.send = spy
+    deadline = time.monotonic() + 5
+    while trainer._by_rank.get(1) != rx.channel.session:
+        trainer.recv(deadline)  # its Hello (earlier sessions' leftovers are skipped)
+    return rx, sent
+
+
+TENSORS = st.lists(
+    st.tuples(st.sampled_from(["float32", "bfloat16", "int64", "uint8", "bool"]),
+              st.lists(st.integers(0, 24), max_size=2)),
+    min_size=1, max_size=5,
+)
+
+GAP = r"expected BucketHeader for bucket \d+|bucket sequence gap"
+SCENARIOS = {  # name: (weight, expected error pattern)
+    "seq_gap": (3, GAP),
+    "seq_repeat": (3, rf"expected Go for bucket \d+|refused|{GAP}"),
+    "dup_is_last": (3, rf"incomplete tensors|refused|{GAP}"),
+    "dup_after_last": (2, rf"refused|{GAP}"),
+    "go_wrong_seq": (3, r"expected Go for bucket \d+"),
+    "go_wrong_version": (2, r"expected Go for bucket \d+"),
+    "abort": (3, r"sender aborted update"),
+    "abort_other_version": (2, r"expected (Go|BucketHeader) for bucket \d+, got Abort"),
+    "garbage": (3, r"undecodable frame|invalid message|protocol version"),
+    "bad_length_go": (3, r"sent Go for bucket \d+, refused: .*(!= end of its last tensor|past the "
+                         r"bucket length|outside)"),
+    "bad_length_abort": (2, r"rejected bucket \d+: .*(!= end of its last tensor|past the bucket "
+                            r"length|outside).*; then: sender aborted"),
+    "bad_header_go": (3, r"sent Go for bucket \d+, refused: .*(not aligned|unknown dtype|negative"
+                         r"|overlaps|duplicate name)"),
+    "header_other_version": (2, r"expected BucketHeader for bucket \d+"),
+    "forged_go": (1, r"no control message from the sender within .*bad MAC.*same secret"),
+    "truncated": (1, r"no control message from the sender within"),
+}
+TIMING_OUT = ["forged_go", "truncated"]  # end by a timeout: few cases, each costs T
+SCENARIO_NAMES = [n for n, (w, _) in SCENARIOS.items() if n not in TIMING_OUT for _ in range(w)]
+
+
+def legit_events(tensors, version):
+    """What a correct sender sends when every receiver says Ready: H0 G0 H1 G1 ..."""
+    named = []
+    for i, (dtype, shape) in enumerate(tensors):
+        named.append((f"w{i}", torch.zeros(shape, dtype=DTYPES[dtype])))
+    buckets = list(plan_buckets(named, CAP))
+    events: list[tuple[str, object]] = []
+    for k, b in enumerate(buckets):
+        events.append(("msg", b.header(version, k, k == len(buckets) - 1, P)))
+        events.append(("msg", Go(P, version, k)))
+    return events
+
+
+def hostile_events(data, scenario: str, version: int):
+    """A legit update turned hostile by `scenario`; returns (events, receive() calls needed)."""
+    events = legit_events(data.draw(TENSORS), version)
+    heads = [i for i, (_, m) in enumerate(events) if isinstance(m, BucketHeader)]
+    nb = len(heads)
+    k = data.draw(st.integers(0, nb - 1))
+    h = events[heads[k]][1]
+    r = msgspec.structs.replace
+    calls = 1
+    if scenario == "seq_gap":
+        events[heads[k]] = ("msg", r(h, seq=h.seq + data.draw(st.integers(1, 5))))
+    elif scenario == "seq_repeat":
+        at = heads[k] + data.draw(st.sampled_from([1, 2]))
+        events.insert(at, ("msg", h))
+        if at == len(events) - 1:  # a repeat of the last header after its Go: next update
+            events.append(("msg", Go(P, version, h.seq)))
+            calls = 2
+    elif scenario == "dup_is_last":
+        if nb < 2:
+            events += [("msg", r(h, seq=1)), ("msg", Go(P, version, 1))]
+        else:
+            k = data.draw(st.integers(0, nb - 2))
+            events[heads[k]] = ("msg", r(events[heads[k]][1], is_last=True))
+        calls = 2
+    elif scenario == "dup_after_last":
+        events += [("msg", events[heads[-1]][1]), ("msg", Go(P, version, nb - 1))]
+        calls = 2
+    elif scenario in ("go_wrong_seq", "go_wrong_version"):
+        g = events[heads[k] + 1][1]
+        bad = (r(g, seq=g.seq + data.draw(st.sampled_from([-1, 1, 2, 2**40])))
+               if scenario == "go_wrong_seq" else r(g, version=version + 1))
+        events[heads[k] + 1] = ("msg", bad)
+    elif scenario in ("abort", "abort_other_version"):
+        v = version if scenario == "abort" else version + 1
+        at = data.draw(st.integers(1, len(events) - 1))
+        events.insert(at, ("msg", Abort(P, v, k, "hostile abort")))
+    elif scenario == "garbage":
+        at = data.draw(st.integers(0, len(events) - 1))
+        junk = data.draw(st.one_of(st.binary(max_size=64),
+                                   st.just(encode(Go(P + 1, version, 0))),
+                                   st.just(encode(Go(P, version, 0))[:-1])))
+        events.insert(at, ("authenticated", junk))
+    elif scenario in ("bad_length_go", "bad_length_abort"):
+        delta = data.draw(st.sampled_from([-1, 1, ALIGN, -h.length - 1, CAP + 1]))
+        events[heads[k]] = ("msg", r(h, length=h.length + delta))
+        if scenario == "bad_length_abort":
+            events.insert(heads[k] + 1, ("msg", Abort(P, version, k, "a receiver refused")))
+            del events[heads[k] + 2 :]
+        else:
+            del events[heads[k] + 2 :]
+    elif scenario == "bad_header_go":
+        if not h.slots:
+            h = r(h, slots=[Slot("e", "float32", [0], 0, 0)], length=0)
+        s0 = h.slots[0]
+        how = data.draw(st.sampled_from(["misalign", "dtype", "neg", "overlap", "dup"]))
+        if how == "misalign":
+            s0 = r(s0, offset=s0.offset + 8)
+        elif how == "dtype":
+            s0 = r(s0, dtype="complex128")
+        elif how == "neg":
+            s0 = r(s0, shape=[-1])
+        slots = [s0, *h.slots[1:]]
+        if how == "overlap" and not h.slots[0].nbytes:
+            how = "dup"
+        if how in ("overlap", "dup"):
+            slots = [h.slots[0], r(h.slots[0], name="x" if how == "overlap" else h.slots[0].name)]
+        events[heads[k]] = ("msg", r(h, slots=slots))
+        del events[heads[k] + 2 :]
+    elif scenario == "header_other_version":
+        if nb < 2:
+            events += [("msg", r(h, seq=1, version=version + 1))]
+            events[heads[0]] = ("msg", r(h, is_last=False))
+        else:
+            k = data.draw(st.integers(1, nb - 1))
+            events[heads[k]] = ("msg", r(events[heads[k]][1], version=version + 1))
+    elif scenario == "forged_go":
+        events[heads[k] + 1] = ("forged", events[heads[k] + 1][1])
+        del events[heads[k] + 2 :]
+    elif scenario == "truncated":
+        del events[data.draw(st.integers(0, len(events) - 1)) :]
+    if data.draw(st.integers(0, 3)) == 0 and events:  # a verbatim replay of a frame already sent
+        events.insert(data.draw(st.integers(1, len(events))), ("replay", None))
+    return events, calls
+
+
+def play(trainer: SenderChannel, events) -> int:
+    """Send `events` to rank 1 as a hostile sender would; returns how many were replays."""
+    sock = trainer._sock
+    sent_raw: list[list[bytes]] = []
+    real = sock.send_multipart
+    replays = 0
+    for kind, obj in events:
+        if kind == "replay":
+            if sent_raw:
+                real(sent_raw[-1])
+                replays += 1
+            continue
+        frames: list[bytes] = []
+        sock.send_multipart = lambda f, *a, **kw: (frames.append(list(f)), real(f, *a, **kw))[1]
+        try:
+            if kind == "msg":
+                trainer.send(1, obj)
+            elif kind == "authenticated":
+                trainer._send_payload(1, obj)
+            elif kind == "forged":  # well-formed, for the right session, under another secret
+                sid = trainer._by_rank[1]
+                meta = _META.pack(FRAMING, sid, trainer.epoch, 2**62, 1)
+                payload = encode(obj)
+                real([sid, meta + _mac(b"not the secret", _TO_RECEIVER, meta, payload), payload])
+        finally:
+            sock.send_multipart = real
+        sent_raw += frames
+    return replays
+
+
+@fuzz(320)
+@given(st.sampled_from(SCENARIO_NAMES), st.data())
+def test_receiver_survives_hostile_sender(hostile, scenario, data):
+    run_hostile(hostile, scenario, data)
+
+
+@fuzz(16)
+@given(st.sampled_from(TIMING_OUT), st.data())
+def test_receiver_times_out_on_forged_or_missing_frames(hostile, scenario, data):
+    run_hostile(hostile, scenario, data)
+
+
+def run_hostile(hostile, scenario, data):
+    """Play one hostile sequence against a fresh receiver and check how it ended."""
+    trainer, cfg = hostile
+    version = data.draw(st.integers(0, 2**40))
+    events, calls = hostile_events(data, scenario, version)
+    rx, sent = new_receiver(trainer, cfg)
+    try:
+        replays = play(trainer, events)
+        COUNTS["receiver frames"] += len(events)
+        COUNTS["receiver sequences"] += 1
+        COUNTS[f"scenario {scenario}"] += 1
+        results, loaders = [], []
+        for _ in range(calls):
+            loader = RecordingLoader()
+            t0 = time.monotonic()
+            results.append(rx.receive(loader, timeout_s=T))  # must not raise
+            assert time.monotonic() - t0 < T * 2 + 1.0, "receive() overran its timeouts"
+            loaders.append(loader)
+        last = results[-1]
+        assert last["ok"] is False, (scenario, events, results)
+        assert re.search(SCENARIOS[scenario][1], last["error"], re.S), (scenario, last["error"])
+        # Every collective joined was for a header this receiver said Ready to (the answer just
+        # before it), and no byte of any other bucket reached a loader.
+        log = rx.transport.log
+        accepted = set()
+        for i, (what, marker) in enumerate(log):
+            if what == "broadcast":
+                assert i and log[i - 1][0] == "Ready", (scenario, log)
+                accepted.add(marker)
+        for loader in loaders:
+            for name, raw in loader.loaded:
+                assert set(raw.unique().tolist()) <= accepted, (scenario, name, log)
+            if loader.began and not loader.finished:
+                assert loader.aborted
+        # The failure converged: the sender was told (unless it was the one that aborted).
+        if "abort" not in scenario or "other_version" in scenario:
+            assert isinstance(sent[-1], Error), (scenario, sent[-1])
+        # Every verbatim replay was dropped: read up to a fresh sentinel sent after everything.
+        trainer.send(1, Abort(P, -1, -1, "sentinel"))
+        while True:
+            try:
+                msg = rx.channel.recv(5.0)
+            except ProtocolError:
+                continue
+            if isinstance(msg, Abort) and msg.reason == "sentinel":
+                break
+        assert rx.channel.rejections["replayed"] == replays
+        if scenario == "forged_go":
+            assert rx.channel.rejections["bad MAC"] >= 1
+    finally:
+        rx.close()
+
+
+def test_receiver_hostile_sender_real_gloo(monkeypatch):
+    """A few hostile sequences over a real 2-rank gloo group (the test plays rank 0)."""
+    monkeypatch.setattr(receiver_mod, "Transport", Transport)  # the module fixture's stand-in off
+    port = free_port()
+    cfg = SyncConfig(control_port=port, group_port=free_port(), world_size=2, bucket_bytes=CAP,
+                     timeout_s=5.0, secret=SECRET)
+    trainer = SenderChannel("127.0.0.1", port, cfg.secret_bytes)
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("tx", Transport(cfg, 0)))
+    th.start()
+    rx = receiver_mod.Receiver(cfg, 1)
+    th.join(30)
+    tx: Transport = box["tx"]
+    trainer.recv(time.monotonic() + 5)
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(100, generator=g)), ("b", torch.randn(300, generator=g)),
+             ("c", torch.randint(0, 9, (7,), generator=g))]
+    buckets = list(plan_buckets(named, CAP))
+    assert len(buckets) >= 2
+    sbuf = torch.empty(CAP, dtype=torch.uint8)
+
+    def run(version, script, broadcast_seqs):
+        """Send `script` (messages); broadcast bucket k's real bytes after each Go in the set."""
+        loader = RecordingLoader()
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", rx.receive(loader, timeout_s=2)))
+        t.start()
+        for msg in script(version):
+            trainer.send(1, msg)
+            if isinstance(msg, Go) and msg.seq in broadcast_seqs:
+                tx.broadcast(pack(buckets[msg.seq], sbuf)).wait()
+        t.join(10)
+        assert not t.is_alive(), "receive() hung"
+        COUNTS["receiver sequences"] += 1
+        COUNTS["receiver frames"] += len(script(version))
+        return out["r"], loader
+
+    def hdr(v, k, **kw):
+        return msgspec.structs.replace(buckets[k].header(v, k, k == len(buckets) - 1, P), **kw)
+
+    try:
+        # Baseline: a clean update arrives bit-exactly.
+        res, loader = run(1, lambda v: [hdr(v, 0), Go(P, v, 0), hdr(v, 1), Go(P, v, 1)], {0, 1})
+        assert res["ok"], res
+        got = {n: t for n, t in loader.loaded}
+        for n, t in named:
+            assert torch.equal(got[n], t.reshape(-1).view(torch.uint8))
+        # Header length != end of its last tensor, then Go anyway: refused, never joined.
+        res, loader = run(2, lambda v: [hdr(v, 0), Go(P, v, 0), hdr(v, 1, length=CAP),
+                                        Go(P, v, 1)], {0})
+        assert not res["ok"] and re.search("refused: .*!= end of its last tensor", res["error"])
+        assert loader.loaded == []  # bucket 0 was fine, but its successor was refused: no load
+        # Go for the wrong seq after a real bucket.
+        res, loader = run(3, lambda v: [hdr(v, 0), Go(P, v, 0), Go(P, v, 7)], {0})
+        assert not res["ok"] and "expected BucketHeader for bucket 1" in res["error"]
+        # Abort mid-update.
+        res, _ = run(4, lambda v: [hdr(v, 0), Go(P, v, 0), Abort(P, v, 1, "trainer died")], {0})
+        assert not res["ok"] and "trainer died" in res["error"]
+        # Two last buckets: the first update completes, the duplicate is refused.
+        res, _ = run(5, lambda v: [hdr(v, 0, is_last=True), Go(P, v, 0)], {0})
+        assert not res["ok"] and "incomplete tensors" in res["error"]  # "b" was split
+        res, _ = run(5, lambda v: [hdr(v, 1, is_last=True), Go(P, v, 1)], set())
+        assert not res["ok"] and re.search(GAP, res["error"]), res
+        # The group still works after all of that.
+        res, loader = run(6, lambda v: [hdr(v, 0), Go(P, v, 0), hdr(v, 1), Go(P, v, 1)], {0, 1})
+        assert res["ok"], res
+    finally:
+        rx.close()
+        tx.close()
+        trainer.close()
+
+
+# ---------------------------------------------------------------- totals
+
+def test_fuzz_totals(record_property, capsys):
+    expected = {"decode", "header", "receiver frames"}
+    if not expected <= set(COUNTS):
+        pytest.skip("run the whole module to count its cases")
+    total = COUNTS["decode"] + COUNTS["header"] + COUNTS["receiver frames"]
+    for k, v in COUNTS.items():
+        record_property(f"fuzz_{k.replace(' ', '_')}", v)
+    record_property("fuzz_total", total)
+    line = (f"fuzz cases: {total} frames/headers in all -- decoder {COUNTS['decode']}, "
+            f"header validator {COUNTS['header']}, receiver {COUNTS['receiver frames']} frames "
+            f"in {COUNTS['receiver sequences']} hostile sequences")
+    scenarios = {k.split()[1]: v for k, v in COUNTS.items() if k.startswith("scenario ")}
+    with capsys.disabled():  # shown with or without -s
+        print(f"\n{line}\n  hostile scenarios: {scenarios}")
+    assert total >= MIN_TOTAL, line
