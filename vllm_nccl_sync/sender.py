@@ -41,8 +41,8 @@ class PushError(RuntimeError):
         self.errors = errors or {}
 
 
-class _Announced(PushError):
-    """A receiver refused a header; every receiver has already been sent `Abort`."""
+class UpdateRefused(PushError):
+    """A receiver refused the plan or a header; every receiver has already been sent `Abort`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ class PushClient:
             self._gather(Ready, seq)
         except PushError as e:
             self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq, str(e)))
-            raise _Announced(str(e), e.errors) from None
+            raise UpdateRefused(str(e), e.errors) from None
 
     def _wire(self, bucket: Bucket, seq: int, works: list[Handle | None]) -> torch.Tensor:
         """The bytes of `bucket` to broadcast: packed into buffer seq%2, or the tensor itself."""
@@ -218,8 +218,8 @@ class PushClient:
             wire = self._wire(bucket, 0, works)
             while True:
                 nxt = None if is_last else next(buckets)  # planned before Ready: off the path
+                digest = checksum(wire) if check and header.length else 0  # while they check
                 self._await_ready(version, seq)
-                digest = checksum(wire) if check and header.length else 0
                 self.channel.send_all(self.ranks, Go(PROTOCOL_VERSION, version, seq, digest))
                 # Nothing may fail between Go and queueing the collective it announces.
                 works[seq % 2] = self.transport.broadcast(wire) if header.length else None
@@ -245,7 +245,7 @@ class PushClient:
                     w.wait()
             if self.transport.device.type == "cuda":
                 torch.cuda.current_stream(self.transport.device).synchronize()
-        except _Announced:
+        except UpdateRefused:
             raise
         except Exception as e:  # the tensor source or packing failed: end every receiver's wait
             self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq, repr(e)))
