@@ -9,7 +9,6 @@ for token, and the storage vLLM keeps is the storage it had before.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
 import pytest
 

@@ -23,7 +23,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -95,6 +95,7 @@ class Receiver:
         self.rank = rank
         self.reference = reference
         self.broken = ""  # why the data-plane group can no longer be trusted ("" while healthy)
+        self._refused_seq = -1  # the bucket this receiver last answered with Error
         self.state = state if state is not None else ReceiverState()
         self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
         self.channel.send(
@@ -144,6 +145,7 @@ class Receiver:
             self.channel.send(Ready(PROTOCOL_VERSION, self.rank, seq))
         else:
             self._error(seq, failed)
+            self._refused_seq = seq
         return failed
 
     def _expect(self, kind: type, seq: int, version: int | None, timeout_s: float):
@@ -197,6 +199,18 @@ class Receiver:
             else:
                 log.info("skipping a stale %s before the next update", type(msg).__name__)
 
+    def _start(self, header: BucketHeader, seq: int, failed: str | None) -> tuple[Go, Any]:
+        """Wait for `Go` of bucket `seq` and post its collective; `(go, handle or None)`.
+
+        `failed` is what this receiver answered for the header: a sender must `Abort` a refused
+        bucket, and a collective is never sized by a refused header.
+        """
+        go = self._expect(Go, seq, header.version, self.cfg.timeout_s)
+        if failed is not None and self._refused_seq == seq:
+            raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {failed}")
+        work = self._broadcast_into(seq % 2, header.length) if header.length else None
+        return go, work
+
     def _plan_problem(self, plan: Plan) -> str:
         """Why this receiver refuses `plan` ("" if it accepts it)."""
         if plan.version <= self.state.version and not plan.force:
@@ -222,6 +236,7 @@ class Receiver:
             return self._summary(ok=False, seq=-1, nbytes=0,
                                  error=f"transfer group is broken ({self.broken}); join again")
         t_wait = self.cfg.timeout_s
+        self._refused_seq = -1
         re = Reassembler()
         seq, nbytes, ntensors = 0, 0, 0
         failed: str | None = None
@@ -236,18 +251,13 @@ class Receiver:
                 for ev in self._free:  # all earlier work on the caller's stream precedes bucket 0/1
                     ev.record(cur)
             failed = self._answer(header, 0, failed, plan is not None)
-            refused = failed is not None
+            go, work = self._start(header, 0, failed)
             while True:
-                go = self._expect(Go, seq, header.version, t_wait)
-                if refused:  # a sender must Abort a refused bucket: never size a collective by it
-                    raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {failed}")
                 buf = self.buffers[seq % 2]
-                work = self._broadcast_into(seq % 2, header.length) if header.length else None
-                nxt = None
+                nxt = nxt_go = nxt_work = None
                 if not header.is_last:
                     nxt = self._expect(BucketHeader, seq + 1, header.version, t_wait)
                     failed = self._answer(nxt, seq + 1, failed)
-                    refused_next = failed is not None
                 if work is not None:
                     try:
                         work.wait()
@@ -260,6 +270,10 @@ class Receiver:
                     if got != go.checksum:
                         failed = (f"rank {self.rank}: bucket {seq} arrived corrupted "
                                   f"(checksum {got:#x} != sender's {go.checksum:#x}); not loaded")
+                if nxt is not None and not self._cuda:
+                    # CPU loads block the host: start bucket k+1 first so the link never waits
+                    # for them (its buffer's previous loads, of k-1, are finished).
+                    nxt_go, nxt_work = self._start(nxt, seq + 1, failed)
                 if failed is None:
                     try:
                         named = re.unpack(header, buf)
@@ -280,9 +294,11 @@ class Receiver:
                         log.exception("loading bucket %d failed", seq)
                 if self._cuda:  # buffer seq%2 may be refilled once the loads issued so far ran
                     self._free[seq % 2].record(cur)
-                if header.is_last:
+                if nxt is None:
                     break
-                header, seq, refused = nxt, seq + 1, refused_next
+                if nxt_go is None:
+                    nxt_go, nxt_work = self._start(nxt, seq + 1, failed)
+                header, seq, go, work = nxt, seq + 1, nxt_go, nxt_work
             if self.transport.device.type == "cuda":
                 torch.cuda.current_stream(self.transport.device).synchronize()
             seconds = time.perf_counter() - t0
