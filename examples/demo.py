@@ -1,109 +1,18 @@
 """Demo: hot-swap the weights of a running vLLM engine from a trainer process.
 
-1. builds a tiny Qwen2-style model locally (no hub) and starts a real vLLM engine on it with the
-   `vllm_nccl_sync.Ext` worker extension (CPU when there is no GPU);
-2. generates;
-3. a separate trainer process holds the same architecture with different weights and pushes them
-   (ZeroMQ headers + gloo/NCCL broadcast of exactly the payload bytes);
-4. generates again, and checks the engine now answers exactly like transformers does with the
-   trainer's weights.
-
-Run: `bash scripts/demo.sh` (installs what it needs), or `python examples/demo.py` in a venv
-that has vLLM.
+The logic lives in `vllm_nccl_sync/demo.py` (also `vllm-nccl-sync demo`); this file runs it from
+a checkout. Run: `bash scripts/demo.sh` (installs what it needs), or `python examples/demo.py` in
+a venv that has vLLM.
 """
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing as mp
 import os
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_nccl_sync import PushClient, SyncConfig  # noqa: E402
-from vllm_nccl_sync.sync import free_port  # noqa: E402
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model  # noqa: E402
-
-MAX_TOKENS = 8
-
-
-def trainer(cfg: dict, arch: str, seed: int, conn) -> None:
-    """The trainer: its own model (other weights), pushed as version 1."""
-    import torch
-
-    try:
-        model = build_model(arch, seed)
-        device = torch.device("cuda", 0) if cfg["backend"] == "nccl" else None
-        client = PushClient(SyncConfig(**cfg), device)
-        client.connect()
-
-        def progress(buckets: int, nbytes: int, seconds: float) -> None:
-            print(f"  [trainer] bucket {buckets:3d}  {nbytes / 1e6:8.2f} MB", flush=True)
-
-        res = client.push(model.to(device or "cpu").state_dict(), version=1, progress=progress)
-        client.close()
-        conn.send(("ok", {"bytes": res.bytes, "buckets": res.buckets, "tensors": res.tensors,
-                          "seconds": res.seconds, "gbps": res.gbps,
-                          "expected": hf_greedy(model.cpu(), PROMPTS, MAX_TOKENS)}))
-    except BaseException as e:
-        conn.send(("error", repr(e)))
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
-    ap.add_argument("--bucket-mib", type=float, default=1.0)
-    args = ap.parse_args()
-
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    path = make_model(tempfile.mkdtemp(prefix="vllm-nccl-sync-demo-"), args.arch, seed=1)
-    print(f"model: tiny {args.arch} at {path}; data plane: {backend}")
-    t0 = time.perf_counter()
-    llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())
-    print(f"engine started in {time.perf_counter() - t0:.1f} s")
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
-
-    def generate() -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-
-    before = generate()
-    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=backend,
-               bucket_bytes=int(args.bucket_mib * 2**20) // 64 * 64, timeout_s=120.0)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=trainer, args=(cfg, args.arch, 2, child), daemon=True)
-    proc.start()
-    llm.collective_rpc("nccl_sync_join", timeout=150, args=(cfg, 1))
-    [summary] = llm.collective_rpc("nccl_sync_receive", timeout=300, args=(120.0,))
-    llm.reset_prefix_cache()  # cached KV came from the old weights
-    if not parent.poll(150):
-        print("trainer did not report")
-        return 1
-    status, pushed = parent.recv()
-    proc.join(timeout=30)
-    if status != "ok" or not summary["ok"]:
-        print(f"update failed: trainer={pushed!r} engine={summary!r}")
-        return 1
-    after = generate()
-
-    for i, p in enumerate(PROMPTS):
-        print(f"prompt {p}\n  before: {before[i]}\n  after:  {after[i]}\n  trainer (transformers): {pushed['expected'][i]}")
-    print(f"update: version {summary['version']}, {pushed['bytes'] / 1e6:.2f} MB in "
-          f"{pushed['buckets']} buckets, {pushed['tensors']} tensors, {pushed['seconds'] * 1e3:.1f} ms, "
-          f"{pushed['gbps']:.2f} GB/s (engine side {summary['seconds'] * 1e3:.1f} ms)")
-    ok = after == pushed["expected"] and after != before
-    print("engine now generates exactly like the trainer's model:", "YES" if ok else "NO")
-    llm.collective_rpc("nccl_sync_close", timeout=30)
-    return 0 if ok else 1
-
+from vllm_nccl_sync.demo import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

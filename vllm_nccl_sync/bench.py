@@ -57,10 +57,10 @@ class _Params:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def named_parameters(self):
+    def named_parameters(self, **kw):
         return iter(self.tensors.items())
 
-    def named_buffers(self):
+    def named_buffers(self, **kw):
         return iter(())
 
 
@@ -78,6 +78,7 @@ def _role(role: int, args: dict) -> dict:
         dev = torch.device("cuda", role)
     else:
         dev = torch.device("cpu")
+        torch.set_num_threads(args["threads"])  # two processes share the cores: no OpenMP spinning
 
     def sync() -> None:
         if gpu:
@@ -193,8 +194,9 @@ def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "au
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=2,
                      backend=backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    threads = max((os.cpu_count() or 2) // 2, 1)
     args = {"cfg": cfg.to_dict(), "backend": backend, "size": size_bytes, "reps": reps,
-            "progress": progress}
+            "progress": progress, "threads": threads}
     trainer, receiver = _run_pair(args, deadline_s)
     raw_s, push_s = statistics.median(trainer["raw"]), statistics.median(trainer["push"])
     n = trainer["payload"]
@@ -210,11 +212,11 @@ def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "au
 
 def format_report(r: dict) -> str:
     return "\n".join([
-        f"bench: {r['backend']} {r['where']}; {r['payload_bytes'] / MiB:.1f} MiB in "
-        f"{r['tensors']} tensors; bucket {r['bucket_bytes'] / MiB:g} MiB; median of {r['reps']}",
+        (f"bench: {r['backend']} {r['where']}; {r['payload_bytes'] / MiB:.1f} MiB in "
+         f"{r['tensors']} tensors; bucket {r['bucket_bytes'] / MiB:g} MiB; median of {r['reps']}"),
         f"  raw broadcast   {r['raw_gbps']:8.2f} GB/s  {r['raw_s'] * 1e3:9.2f} ms",
-        f"  vllm-nccl-sync  {r['push_gbps']:8.2f} GB/s  {r['push_s'] * 1e3:9.2f} ms  "
-        f"({r['buckets']} buckets, wire {r['wire_bytes'] / r['payload_bytes']:.3f} x payload)",
+        (f"  vllm-nccl-sync  {r['push_gbps']:8.2f} GB/s  {r['push_s'] * 1e3:9.2f} ms  "
+         f"({r['buckets']} buckets, wire {r['wire_bytes'] / r['payload_bytes']:.3f} x payload)"),
         f"  push / raw      {r['ratio']:8.3f}",
         f"  bit-exact       {'yes' if r['bit_exact'] else 'NO'}",
     ])

@@ -14,6 +14,9 @@ mode: when `PROMETHEUS_MULTIPROC_DIR` is set before `vllm serve` starts (vLLM se
 Without it the workers' metrics stay in their own process; read them with the `nccl_sync_state` /
 `nccl_sync_metrics` RPCs (the latter returns this worker's Prometheus text) or from the log lines.
 Set `VLLM_NCCL_SYNC_PROMETHEUS=0` to register nothing.
+
+In a process whose logging nobody configured (a vLLM worker), `VLLM_NCCL_SYNC_LOG=text` or `json`
+makes the first event attach a stderr handler (INFO) to the `vllm_nccl_sync` loggers.
 """
 
 from __future__ import annotations
@@ -48,8 +51,22 @@ def kv_line(event: str, fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={_fmt(v)}" for k, v in {"event": event, **fields}.items())
 
 
+_auto_done = False
+
+
+def _auto_configure() -> None:
+    """Honour `VLLM_NCCL_SYNC_LOG` (text|json) once, if this package's logging has no handler."""
+    global _auto_done
+    _auto_done = True
+    mode = os.environ.get("VLLM_NCCL_SYNC_LOG", "").lower()
+    if mode in ("text", "json") and not logging.getLogger("vllm_nccl_sync").handlers:
+        configure_logging(json_lines=mode == "json")
+
+
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one update event as a `key=value` line, with the fields attached for `JsonFormatter`."""
+    if not _auto_done:
+        _auto_configure()
     if _events.isEnabledFor(level):
         _events.log(level, kv_line(event, fields), extra={"nccl_sync": {"event": event, **fields}})
 

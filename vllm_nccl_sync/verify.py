@@ -30,6 +30,7 @@ import torch
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM parameter -> the HF parameters concatenated (along dim 0) into it."""
 _PART_OF = {part: stacked for stacked, parts in STACKED.items() for part in parts}
+_PACKED = "packed by vLLM's CPU backend (its weight is size 0)"
 
 
 def _bytes(t: torch.Tensor):
@@ -75,7 +76,10 @@ def checkpoint_tensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
     """Lazy `{name: () -> tensor}` over a safetensors file or every `*.safetensors` in a dir."""
     from safetensors import safe_open
 
-    files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors under {path}")
     out: dict[str, Callable[[], torch.Tensor]] = {}
@@ -161,8 +165,7 @@ def compare(source: Any, workers: list[dict]) -> VerifyReport:
                 covered.add(name)
                 t = src[name]()
                 if p["numel"] == 0 and t.numel() > 0:
-                    report.entries.append(Entry(name, w, "not_comparable",
-                                                "packed by vLLM's CPU backend (its weight is size 0)"))
+                    report.entries.append(Entry(name, w, "not_comparable", _PACKED))
                 elif list(t.shape) != p["shape"]:
                     report.entries.append(Entry(name, w, "not_comparable",
                                                 f"engine holds shape {p['shape']}, source "
@@ -200,7 +203,7 @@ def _stacked(name: str, src: dict, params: dict, tp: int, done: dict,
     where = f"as part of {stacked_name}"
     missing = [m for m in members if m not in src]
     if p["numel"] == 0:
-        out = ("not_comparable", f"{where}: packed by vLLM's CPU backend (its weight is size 0)")
+        out = ("not_comparable", f"{where}: {_PACKED}")
     elif tp > 1:
         out = ("not_comparable", f"{where}: sharded across {tp} TP ranks")
     elif missing:

@@ -1,0 +1,1 @@
+"""Adapters that plug vllm-nccl-sync into RL frameworks (each imports its framework lazily)."""

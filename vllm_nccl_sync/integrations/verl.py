@@ -1,0 +1,341 @@
+"""verl checkpoint-engine backend `vllm_nccl_sync`: a verl trainer pushes with `PushClient`.
+
+verl (0.9.x, `verl/checkpoint_engine/`) moves weights from the actor workers to the rollout
+workers through a `CheckpointEngine` chosen by name from `CheckpointEngineRegistry`; its
+`CheckpointEngineManager` calls, per update, `prepare()` on every worker, the class's
+`build_topology(...)`, `init_process_group(**kwargs)`, then `send_weights(generator)` on the actor
+workers and `receive_weights()` on the rollout workers, then `finalize()`. Importing this module
+registers `VllmNcclSyncCheckpointEngine` under `vllm_nccl_sync`, so in a verl config:
+
+    checkpoint_engine.backend: vllm_nccl_sync          (under actor_rollout_ref.rollout)
+    checkpoint_engine.custom_backend_module: vllm_nccl_sync.integrations.verl
+    checkpoint_engine.engine_kwargs.vllm_nccl_sync: {transport: nccl}
+
+Trainer side: actor rank 0 is rank 0 of the transfer group and streams verl's per-tensor generator
+through `PushClient.push` (explicit headers, exact-length buckets, a timeout on every wait, the
+failure reported to every side); the other actor ranks only drain the generator (gathering a
+full tensor is collective over the actor group). `send_weights` returns the update's metrics.
+
+Engine side, two ways (the wire protocol is the same, so the trainer side does not change):
+
+* verl's rollout workers (`CheckpointEngineWorker`, next to each vLLM worker): `receive_weights`
+  runs a `Receiver` and yields full HF-named tensors to verl's server adapter, which loads them.
+  A yielded tensor is valid until the generator is resumed after the last tensor of its bucket.
+* vLLM workers running `vllm_nccl_sync.Ext` receive directly into the live model (no copy through
+  another process): give each engine `nccl_sync_join(cfg, rank_offset)` with the `cfg` that
+  `build_topology` hands out (`ext_join_args`) and call `nccl_sync_receive` while the actor
+  pushes. verl's manager does not make those calls; the driver that owns the engines does
+  (`vllm_nccl_sync.engines` handles: `collective_rpc` or HTTP).
+
+The group is kept across updates (verl calls `init_process_group` before each one; an unchanged
+topology reuses the connection) unless `rebuild_group=True`. A random HMAC secret is made per
+group by actor rank 0 and handed out with the topology, so control frames are authenticated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..config import DEFAULT_BUCKET_BYTES, SyncConfig
+from ..metrics import push_logged
+from ..sync import free_port
+
+log = logging.getLogger(__name__)
+
+NAME = "vllm_nccl_sync"
+"""The backend name in verl's registry."""
+SUPPORTED = ("0.9.",)
+"""verl versions (prefixes) whose checkpoint-engine interface this backend follows."""
+
+try:  # verl is optional: without it the class still works when driven directly (tests, scripts)
+    import verl as _verl
+    from verl.checkpoint_engine.base import CheckpointEngine as _Base
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+except ImportError:
+    _verl = None
+    _Base = object
+    CheckpointEngineRegistry = None
+
+
+def _host() -> str:
+    """This node's address for the group: Ray's view when Ray runs here, else this host's."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except ImportError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+async def _drain(weights: Any) -> None:
+    if hasattr(weights, "__aiter__"):
+        async for _ in weights:
+            pass
+    else:
+        for _ in weights:
+            pass
+
+
+def _sync_iter(weights: Any, loop: asyncio.AbstractEventLoop) -> Iterable:
+    """A plain iterator over `weights` for the push thread (an async one is pulled on `loop`)."""
+    if not hasattr(weights, "__aiter__"):
+        return weights
+    it = weights.__aiter__()
+
+    def gen() -> Iterator:
+        while True:
+            try:
+                yield asyncio.run_coroutine_threadsafe(it.__anext__(), loop).result()
+            except StopAsyncIteration:
+                return
+
+    return gen()
+
+
+class _HandOff:
+    """A `WeightLoader` that hands each bucket's tensors to the async consumer and waits until it
+    has taken them all, so the receive buffer is never refilled under the consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, timeout_s: float) -> None:
+        import threading
+
+        self.loop, self.q, self.timeout = loop, q, timeout_s
+        self.taken = threading.Event()
+        self.stopped = False
+
+    def begin(self) -> None:
+        pass
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.stopped:
+            raise RuntimeError("the consumer of receive_weights() stopped early")
+        self.taken.clear()
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ("batch", named))
+        if not self.taken.wait(self.timeout):
+            raise TimeoutError(f"receive_weights() consumer took no bucket for {self.timeout} s")
+        if self.stopped:
+            raise RuntimeError("the consumer of receive_weights() stopped early")
+        return {n for n, _ in named}
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class VllmNcclSyncCheckpointEngine(_Base):
+    """verl checkpoint engine over vllm-nccl-sync (see the module docstring).
+
+    Args (verl passes `bucket_size` and, on actors, `is_master`; the rest come from
+    `checkpoint_engine.engine_kwargs.vllm_nccl_sync`):
+        bucket_size: bytes per bucket; each side holds two buffers of it.
+        is_master: actor rank 0 (the sender; hosts the control socket and the group's store).
+        transport: the data plane, `nccl` (GPU tensors) or `gloo` (CPU). (Not `backend`: verl's
+            `CheckpointEngineRegistry.new(backend, ...)` takes that name for the engine's.)
+        host: address actor rank 0 binds (default: its Ray node address).
+        timeout_s: bound on every wait of an update.
+        dtype: cast floating tensors to this dtype before sending (e.g. "bfloat16").
+        rebuild_group: leave the group after every update (verl calls `finalize`), and build a
+            new one for the next.
+        force: let engines take a `global_steps` not newer than the one they hold.
+    """
+
+    wire_format = "named_tensors"
+
+    def __init__(
+        self,
+        bucket_size: int = DEFAULT_BUCKET_BYTES,
+        is_master: bool = False,
+        *,
+        transport: str = "nccl",
+        host: str | None = None,
+        timeout_s: float = 300.0,
+        dtype: str | None = None,
+        rebuild_group: bool = False,
+        force: bool = False,
+    ) -> None:
+        self.bucket_size = int(bucket_size)
+        self.is_master = is_master
+        self.transport = transport
+        self.host = host
+        self.timeout_s = timeout_s
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.rebuild_group = rebuild_group
+        self.force = force
+        self.rank: int | None = None
+        self.cfg: SyncConfig | None = None
+        self.client: Any = None  # PushClient on actor rank 0
+        self.receiver: Any = None  # Receiver on a rollout worker
+        self.version = 0
+        self.connects = 0
+
+    # ------------------------------------------------------------------ topology
+
+    def prepare(self) -> dict[str, Any]:
+        """Actor rank 0 proposes a group (fresh ports, new secret) and reports the one it holds."""
+        if not self.is_master:
+            return {"master": None}
+        host = self.host or _host()
+        fresh = SyncConfig(host=host, control_port=free_port(host), group_port=free_port(host),
+                           world_size=2, backend=self.transport, bucket_bytes=self.bucket_size,
+                           timeout_s=self.timeout_s, secret=secrets.token_hex(16))
+        held = self.cfg.to_dict() if self.cfg is not None and self._connected() else None
+        return {"master": {"fresh": fresh.to_dict(), "held": held}}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Rank 0: actor 0; ranks 1..: the rollout workers in verl's order; other actors: -1.
+
+        The group actor 0 already holds is kept when its size still fits, else a fresh one."""
+        master = metadata[0]["master"]
+        if master is None:
+            raise ValueError("actor rank 0 must be the checkpoint engine master (is_master=True)")
+        world = 1 + rollout_world_size
+        held = master["held"]
+        cfg = held if held is not None and held["world_size"] == world else {
+            **master["fresh"], "world_size": world}
+        actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1), "cfg": [cfg] * actor_wg_world_size}
+        rollout = {"rank": list(range(1, world)), "cfg": [cfg] * rollout_world_size}
+        return actor, rollout
+
+    def _connected(self) -> bool:
+        return self.client is not None or self.receiver is not None
+
+    def _device(self) -> torch.device | None:
+        if self.transport != "nccl":
+            return None
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def init_process_group(self, rank: int, cfg: dict[str, Any]) -> None:
+        """Join the group as `rank` (-1: an actor that only drains its generator); blocks until
+        every member joined. The group already held is reused if `cfg` is unchanged."""
+        from ..receiver import Receiver
+        from ..sender import PushClient
+
+        self.rank = rank
+        if rank < 0:
+            return
+        new = SyncConfig.from_dict(cfg)
+        if self._connected() and new == self.cfg:
+            return
+        self._close()
+        self.cfg = new
+        if rank == 0:
+            self.client = PushClient(new, self._device())
+            self.client.connect()
+        else:
+            self.receiver = Receiver(new, rank, device=self._device())
+        self.connects += 1
+        log.info("rank %d joined the vllm_nccl_sync group of %d", rank, new.world_size)
+
+    def finalize(self) -> None:
+        """After each update: leave the group only if `rebuild_group`."""
+        if self.rebuild_group:
+            self._close()
+
+    def _close(self) -> None:
+        for end in (self.client, self.receiver):
+            if end is not None:
+                end.close()
+        self.client = self.receiver = None
+
+    # ------------------------------------------------------------------ data
+
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Push `(name, tensor)`s (a generator, sync or async) as version `global_steps`."""
+        if self.rank is None:
+            raise RuntimeError("init_process_group() has not been called")
+        if self.rank != 0:
+            await _drain(weights)  # producing each full tensor is collective over the actors
+            return {}
+        version = self.version + 1 if global_steps is None else int(global_steps)
+        loop = asyncio.get_running_loop()
+        device = self._device()
+
+        def push() -> Any:
+            if device is not None:
+                torch.cuda.set_device(device)
+            return push_logged(self.client, _sync_iter(weights, loop), version,
+                               dtype=self.dtype, force=self.force)
+
+        res = await asyncio.to_thread(push)
+        self.version = version
+        return {"vllm_nccl_sync/bytes": res.bytes, "vllm_nccl_sync/buckets": res.buckets,
+                "vllm_nccl_sync/seconds": res.seconds, "vllm_nccl_sync/gbps": res.gbps}
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield the update's `(name, tensor)`s bucket by bucket; raises if the update failed."""
+        if self.receiver is None:
+            raise RuntimeError("this worker has not joined as a receiver (init_process_group)")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        hand = _HandOff(loop, q, self.cfg.timeout_s)
+        device = self._device()
+
+        def receive() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                out = ("end", self.receiver.receive(hand, self.cfg.timeout_s))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer below
+                out = ("end", {"ok": False, "error": repr(e)})
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+        task = loop.run_in_executor(None, receive)
+        try:
+            while True:
+                kind, item = await q.get()
+                if kind == "end":
+                    if not item.get("ok"):
+                        raise RuntimeError(f"vllm_nccl_sync update failed: {item.get('error')}")
+                    if global_steps is not None and item.get("version") != global_steps:
+                        log.warning("received version %s, verl expected %s",
+                                    item.get("version"), global_steps)
+                    return
+                for name, tensor in item:
+                    yield name, tensor
+                hand.taken.set()
+        finally:
+            if not task.done():  # the consumer stopped early: fail this update on every side
+                hand.stopped = True
+                hand.taken.set()
+            await task
+
+
+def register(name: str = NAME, *, check_version: bool = True) -> type:
+    """Register the backend in verl's `CheckpointEngineRegistry` (done on import when verl 0.9.x
+    is importable); returns the class."""
+    if CheckpointEngineRegistry is None:
+        raise ImportError("verl is not importable: nothing to register into")
+    if check_version and not _verl.__version__.startswith(SUPPORTED):
+        raise RuntimeError(f"vllm_nccl_sync's verl backend follows verl {SUPPORTED}, found "
+                           f"{_verl.__version__}; check verl/checkpoint_engine/base.py, then "
+                           "call register(check_version=False)")
+    CheckpointEngineRegistry.register(name)(VllmNcclSyncCheckpointEngine)
+    return VllmNcclSyncCheckpointEngine
+
+
+if _verl is not None:
+    if _verl.__version__.startswith(SUPPORTED):
+        register()
+    else:
+        log.warning("verl %s is not a version this backend was written against %s: not "
+                    "registered (call register(check_version=False) to try)",
+                    _verl.__version__, SUPPORTED)
