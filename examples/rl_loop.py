@@ -14,18 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_nccl_sync.engines import HTTPHandle  # noqa: E402
-from vllm_nccl_sync.sync import WeightSync, free_port  # noqa: E402
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, make_model  # noqa: E402
+from vllm_nccl_sync.sync import WeightSync  # noqa: E402
+from vllm_nccl_sync.testing import PROMPTS, build_model, make_model, start_server  # noqa: E402
 
 
 def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:
@@ -35,30 +33,6 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> list[i
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())["choices"][0]["token_ids"]
-
-
-def start_server(path: str) -> tuple[subprocess.Popen, str]:
-    kw, port = engine_kwargs(), free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-           "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls",
-           "vllm_nccl_sync.Ext", "--dtype", kw["dtype"], "--max-model-len", str(kw["max_model_len"]),
-           "--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
-    if kw["enforce_eager"]:
-        cmd.append("--enforce-eager")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(1)
-    proc.kill()
-    raise RuntimeError("vllm serve did not come up")
 
 
 def main() -> int:
@@ -77,7 +51,7 @@ def main() -> int:
         url = args.url
     else:
         path = make_model(tempfile.mkdtemp(prefix="rl-loop-"), "qwen2", seed=1)
-        proc, url = start_server(path)
+        proc, url = start_server(path, os.path.join(os.path.dirname(path), "server.log"))
     policy = build_model("qwen2", seed=1)  # the trainer's copy of the served weights
     opt = torch.optim.SGD(policy.parameters(), lr=0.002)
     sync = WeightSync([HTTPHandle(url)], timeout_s=120)

@@ -12,13 +12,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from vllm_nccl_sync import cli
-from vllm_nccl_sync.testing import build_model, engine_kwargs, make_model
+from vllm_nccl_sync.testing import build_model, make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,41 +55,19 @@ def test_bench_on_gloo(tmp_path, capfd):
 def server(tmp_path_factory):
     """`vllm serve` (dev mode) on a tiny model, with a Prometheus multiprocess directory and JSON
     event lines from its workers."""
-    from vllm_nccl_sync.sync import free_port
+    from vllm_nccl_sync.testing import start_server
 
     path = make_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2", seed=1)
     prom = tmp_path_factory.mktemp("prom")
-    kw, port = engine_kwargs(), free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PROMETHEUS_MULTIPROC_DIR=str(prom),
-               VLLM_NCCL_SYNC_LOG="json")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-           "--port", str(port), "--host", "127.0.0.1",
-           "--worker-extension-cls", "vllm_nccl_sync.Ext", "--dtype", kw["dtype"],
-           "--max-model-len", str(kw["max_model_len"]), "--seed", "0",
-           "--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
-    if kw["enforce_eager"]:
-        cmd.append("--enforce-eager")
     log_path = tmp_path_factory.mktemp("logs") / "server.log"
-    log = open(log_path, "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"vllm serve did not come up:\n{log_path.read_text()[-3000:]}")
-            time.sleep(1)
+    proc, url = start_server(path, str(log_path), env={"PROMETHEUS_MULTIPROC_DIR": str(prom),
+                                                      "VLLM_NCCL_SYNC_LOG": "json"})
     yield url, path, log_path
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
 
 
 @pytest.mark.vllm

@@ -9,9 +9,7 @@ reports the version it holds.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -19,10 +17,16 @@ from concurrent.futures import Future
 
 import pytest
 
-from tests.conftest import free_port
 from vllm_nccl_sync.engines import AsyncLLMHandle, HTTPHandle
 from vllm_nccl_sync.sync import WeightSync
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.testing import (
+    PROMPTS,
+    build_model,
+    engine_kwargs,
+    hf_greedy,
+    make_model,
+    start_server,
+)
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
@@ -118,30 +122,7 @@ def test_async_llm_refuses_going_back_unless_forced(async_engine):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("served")), "qwen2", seed=1)
-    kw = engine_kwargs()
-    port = free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-           "--port", str(port), "--host", "127.0.0.1",
-           "--worker-extension-cls", "vllm_nccl_sync.Ext", "--dtype", kw["dtype"],
-           "--max-model-len", str(kw["max_model_len"]), "--seed", "0",
-           "--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
-    if kw["enforce_eager"]:
-        cmd.append("--enforce-eager")
-    log = open(tmp_path_factory.mktemp("logs") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                log.seek(0)
-                pytest.fail(f"vllm serve did not come up:\n{log.read()[-3000:]}")
-            time.sleep(1)
+    proc, url = start_server(path, str(tmp_path_factory.mktemp("logs") / "server.log"))
     sync = WeightSync([HTTPHandle(url)], timeout_s=60)
     sync.connect()
     yield url, path, sync

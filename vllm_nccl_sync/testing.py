@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -160,3 +161,42 @@ def engine_kwargs(**overrides) -> dict:
     }
     kw.update(overrides)
     return kw
+
+
+def start_server(path: str, log_path: str, env: dict | None = None,
+                 timeout_s: float = 300.0) -> tuple[Any, str]:
+    """Start `vllm serve` (dev mode, with the extension) on `path`; returns (process, url).
+
+    Output goes to `log_path`. Raises `RuntimeError` with the log's tail if the server exits or is
+    not healthy within `timeout_s`. The caller terminates the process.
+    """
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from .sync import free_port
+
+    kw, port = engine_kwargs(), free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+           "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls",
+           "vllm_nccl_sync.Ext", "--dtype", kw["dtype"], "--max-model-len",
+           str(kw["max_model_len"]), "--seed", "0",
+           "--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
+    if kw["enforce_eager"]:
+        cmd.append("--enforce-eager")
+    full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                with open(log_path) as f:
+                    raise RuntimeError(f"vllm serve did not come up:\n{f.read()[-3000:]}") from None
+            time.sleep(1)
