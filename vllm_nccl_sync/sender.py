@@ -136,7 +136,10 @@ class PushClient:
             except TimeoutError:
                 missing = sorted(set(self.ranks) - set(got) - set(errors))
                 raise PushError(f"no {kind.__name__} for bucket {seq} from ranks {missing}") from None
-            if isinstance(msg, Error):
+            if rank not in self.ranks:
+                log.warning("ignoring %s from rank %d, which is not in this group",
+                            type(msg).__name__, rank)
+            elif isinstance(msg, Error):
                 errors[rank] = msg.message
             elif isinstance(msg, kind) and getattr(msg, "seq", seq) == seq:
                 got[rank] = msg
