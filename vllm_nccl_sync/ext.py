@@ -117,22 +117,10 @@ class Ext:
 
 
 def _reference(vllm_config: Any) -> Any:
-    """The engine's tensors in HF terms, from its checkpoint's safetensors headers (None if the
-    checkpoint is not a local directory: then only the protocol's own checks apply)."""
-    import logging
-    import os
-
-    from .handshake import Reference, read_safetensors_index
+    """The engine's tensors in HF terms, from its checkpoint's safetensors headers."""
+    from .handshake import checkpoint_reference
     from .packing import dtype_name
 
     mc = vllm_config.model_config
-    index = read_safetensors_index(mc.model) if os.path.isdir(mc.model) else {}
-    if not index:
-        logging.getLogger(__name__).warning(
-            "no local safetensors for %s: pushed tensors are not checked against the model", mc.model
-        )
-        return None
-    aliases = {}
-    if getattr(mc.hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in index:
-        aliases["lm_head.weight"] = "model.embed_tokens.weight"
-    return Reference(index, aliases, {dtype_name(mc.dtype)})
+    tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+    return checkpoint_reference(mc.model, tied, dtype_name(mc.dtype))

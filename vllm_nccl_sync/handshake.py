@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass, field
@@ -77,3 +78,24 @@ def read_safetensors_index(model_dir: str) -> dict[str, tuple[str, list[int]]]:
                 continue
             out[name] = (_ST_DTYPES.get(meta["dtype"], meta["dtype"].lower()), list(meta["shape"]))
     return out
+
+
+def checkpoint_reference(
+    model_dir: str, tie_word_embeddings: bool, engine_dtype: str | None
+) -> Reference | None:
+    """The `Reference` of an engine started from the checkpoint in `model_dir`, or None (and a
+    warning) if there are no local safetensors: then only the protocol's own checks apply.
+
+    A tied checkpoint without `lm_head.weight` accepts it as an alias of the embedding; floating
+    tensors may also arrive in the engine's dtype (`engine_dtype`, a wire dtype name)."""
+    index = read_safetensors_index(model_dir) if model_dir and os.path.isdir(model_dir) else {}
+    if not index:
+        logging.getLogger(__name__).warning(
+            "no local safetensors for %r: pushed tensors are not checked against the model",
+            model_dir,
+        )
+        return None
+    aliases = {}
+    if tie_word_embeddings and "lm_head.weight" not in index:
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+    return Reference(index, aliases, {engine_dtype} if engine_dtype else set())

@@ -185,30 +185,14 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 def _reference(model: torch.nn.Module, model_path: str | None) -> Any:
     """The engine's tensors in HF terms from the checkpoint's safetensors headers, or None."""
-    from ..handshake import Reference, read_safetensors_index
+    from ..handshake import checkpoint_reference
     from ..packing import dtype_name
 
     config = getattr(model, "config", None)
     path = model_path or getattr(config, "_name_or_path", None) or ""
-    index = read_safetensors_index(path) if path and os.path.isdir(path) else {}
-    if not index:
-        log.warning("no local safetensors for %r: pushed tensors are not checked against the "
-                    "model (pass model_path to the handle)", path)
-        return None
-    aliases = {}
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in index:
-        aliases["lm_head.weight"] = "model.embed_tokens.weight"
     dtype = _model_dtype(model)
-    return Reference(index, aliases, {dtype_name(dtype)} if dtype is not None else set())
-
-
-def _param_ptrs(model: torch.nn.Module) -> dict[str, int]:
-    out = {}
-    for kind in (model.named_parameters, model.named_buffers):
-        for name, t in kind(remove_duplicate=False):
-            if t.numel() > 0 and not t.is_meta:
-                out[name] = t.data_ptr()
-    return out
+    return checkpoint_reference(path, bool(getattr(config, "tie_word_embeddings", False)),
+                                dtype_name(dtype) if dtype is not None else None)
 
 
 def _state(w: _Worker) -> dict:
@@ -263,7 +247,9 @@ def run_command(model: torch.nn.Module, cmd: dict) -> dict:
     if op == "state":
         return _state(w)
     if op == "param_ptrs":
-        return _param_ptrs(model)
+        from ..vllm_loader import param_pointers
+
+        return param_pointers(model)
     if op == "checksums":
         from ..verify import module_checksums
 
