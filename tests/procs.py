@@ -60,3 +60,18 @@ def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float) -> list[An
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[i] for i in range(len(procs))]
+
+
+def record_broadcasts() -> list[int]:
+    """Make every broadcast of this process record its byte count (the list it returns)."""
+    from vllm_nccl_sync.transport import Transport
+
+    sizes: list[int] = []
+    orig = Transport.broadcast
+
+    def spy(self, tensor, src=0):
+        sizes.append(tensor.numel())
+        return orig(self, tensor, src)
+
+    Transport.broadcast = spy
+    return sizes

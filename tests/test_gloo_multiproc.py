@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.procs import run_procs
+from tests.procs import record_broadcasts, run_procs
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.packing import ALIGN
 from vllm_nccl_sync.receiver import Receiver
-from vllm_nccl_sync.transport import Transport
 
 pytestmark = pytest.mark.multiproc
 DEADLINE = 120
@@ -33,19 +32,6 @@ def model_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def record_broadcasts() -> list[int]:
-    """Make every broadcast of this process record its byte count."""
-    sizes: list[int] = []
-    orig = Transport.broadcast
-
-    def spy(self, tensor, src=0):
-        sizes.append(tensor.numel())
-        return orig(self, tensor, src)
-
-    Transport.broadcast = spy
-    return sizes
 
 
 class DigestLoader:

@@ -42,6 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests.procs import record_broadcasts  # noqa: E402
+
 pytestmark = pytest.mark.multiproc
 
 TRAINER_IP, RECEIVER_IP, NOBODY_IP = "10.77.0.1", "10.77.0.2", "10.77.0.3"
@@ -111,21 +113,6 @@ def digest(t) -> str:
     import torch
 
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-def record_broadcasts() -> list[int]:
-    """Make every broadcast of this process record its byte count."""
-    from vllm_nccl_sync.transport import Transport
-
-    sizes: list[int] = []
-    orig = Transport.broadcast
-
-    def spy(self, tensor, src=0):
-        sizes.append(tensor.numel())
-        return orig(self, tensor, src)
-
-    Transport.broadcast = spy
-    return sizes
 
 
 class DigestLoader:
