@@ -17,11 +17,13 @@ def _entry(q, idx: int, fn: Callable, args: tuple) -> None:
         q.put((idx, False, traceback.format_exc()))
 
 
-def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float) -> list[Any]:
+def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float,
+              allow_killed: set[int] = frozenset()) -> list[Any]:
     """Start each `fn(*args)` in its own spawned process; return their results in order.
 
     Raises `AssertionError` with the remote traceback if one failed, or if the deadline passes
-    (every process still alive is then killed).
+    (every process still alive is then killed). Processes in `allow_killed` may die (a fault the
+    test injects); their result is None.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -40,6 +42,9 @@ def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float) -> list[An
             try:
                 idx, ok, val = q.get(timeout=min(left, 1.0))
             except queue.Empty:
+                for i in allow_killed:
+                    if procs[i].exitcode not in (None, 0) and i not in results:
+                        results[i] = None
                 dead = [i for i, p in enumerate(procs)
                         if p.exitcode not in (None, 0) and i not in results]
                 if dead and q.empty():
@@ -63,15 +68,16 @@ def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float) -> list[An
 
 
 def record_broadcasts() -> list[int]:
-    """Make every broadcast of this process record its byte count (the list it returns)."""
+    """Make every broadcast of this process record the byte count it announces (the list it
+    returns; a gloo receiver posts its whole buffer but announces the header's length)."""
     from vllm_nccl_sync.transport import Transport
 
     sizes: list[int] = []
     orig = Transport.broadcast
 
-    def spy(self, tensor, src=0):
-        sizes.append(tensor.numel())
-        return orig(self, tensor, src)
+    def spy(self, tensor, src=0, *, length=None):
+        sizes.append(tensor.numel() if length is None else length)
+        return orig(self, tensor, src, length=length)
 
     Transport.broadcast = spy
     return sizes

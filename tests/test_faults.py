@@ -1,4 +1,4 @@
-"""Fault injection against a real vLLM CPU engine (issue 5): never a hang, never silent.
+"""Fault injection against a real vLLM CPU engine: never a hang, never silent.
 
 Each scenario runs a trainer in its own process (and, for the receiver fault, a second receiver
 process) against one engine. After each: the engine still serves, and either its weights are
@@ -57,12 +57,23 @@ def trainer(cfg: dict, spec: dict, conn) -> None:
 
 
 def _stream(sd: dict, fault: str | None):
-    """The state dict as a generator; with `die`, the trainer is SIGKILLed after a few buckets."""
-    for i, item in enumerate(sd.items()):
-        if fault == "die" and i == 12:
-            time.sleep(0.3)  # let the earlier buckets land
-            os.kill(os.getpid(), signal.SIGKILL)
-        yield item
+    """The state dict as a generator; with `die`, the trainer is SIGKILLed once its third
+    bucket's broadcast completed (so buckets did land, whatever the machine's speed)."""
+    if fault == "die":
+        from vllm_nccl_sync.transport import Transport
+
+        real, calls = Transport.broadcast, []
+
+        def broadcast_then_die(self, tensor, src=0, *, length=None):
+            handle = real(self, tensor, src, length=length)
+            calls.append(1)
+            if len(calls) == 3:
+                handle.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return handle
+
+        Transport.broadcast = broadcast_then_die
+    yield from sd.items()
 
 
 def dying_receiver(cfg: dict, rank: int) -> None:
@@ -75,11 +86,11 @@ def dying_receiver(cfg: dict, rank: int) -> None:
     loader = ModuleLoader(build_model("qwen2", 1))
     real, calls = Transport.broadcast, []
 
-    def broadcast_then_die(self, tensor, src=0):
+    def broadcast_then_die(self, tensor, src=0, *, length=None):
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, tensor, src)
+        return real(self, tensor, src, length=length)
 
     Transport.broadcast = broadcast_then_die
     Receiver(SyncConfig(**cfg), rank).receive(loader, timeout_s=60)

@@ -285,3 +285,82 @@ def test_nccl_pipeline_stress_slow_loads():
     )
     _check(sent, got)
     assert sent[0]["buckets"] >= 10
+
+
+# --------------------------------------------------------------------------- faults on NCCL
+
+
+def dying_trainer_proc(cfg: dict, kill_at: int) -> None:
+    """Pushes, and is SIGKILLed right after posting its `kill_at`-th collective."""
+    import signal
+
+    from vllm_nccl_sync.transport import Transport
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    model = build_model(seed=5, device=dev)
+    real, calls = Transport.broadcast, []
+
+    def broadcast_then_die(self, tensor, src=0, *, length=None):
+        handle = real(self, tensor, src, length=length)
+        calls.append(1)
+        if len(calls) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+
+    Transport.broadcast = broadcast_then_die
+    client = PushClient(SyncConfig(**cfg), device=dev)
+    client.connect()
+    client.push(model.named_parameters(), version=2)
+
+
+def good_trainer_proc(cfg: dict) -> dict:
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    model = build_model(seed=7, device=dev)
+    client = PushClient(SyncConfig(**cfg), device=dev)
+    client.connect()
+    r = client.push(model.named_parameters(), version=3)
+    client.close()
+    return {"want": digests(model), "buckets": r.buckets}
+
+
+def surviving_receiver_proc(cfg1: dict, cfg2: dict) -> dict:
+    import time
+
+    torch.cuda.set_device(1)
+    dev = torch.device("cuda", 1)
+    model = build_model(seed=999, device=dev)
+    rx = Receiver(SyncConfig(**cfg1), 1, device=dev)
+    t0 = time.monotonic()
+    first = rx.receive(ModuleLoader(model), timeout_s=120)
+    seconds = time.monotonic() - t0
+    x = torch.randn(512, 512, device=dev)  # vLLM's stream is untouched: work still runs on it
+    stream_ok = bool(torch.isfinite((x @ x).sum()).item())
+    broken = rx.broken
+    rx.close()
+    rx2 = Receiver(SyncConfig(**cfg2), 1, device=dev)
+    second = rx2.receive(ModuleLoader(model), timeout_s=120)
+    rx2.close()
+    return {"first": first, "seconds": seconds, "stream_ok": stream_ok, "broken": broken,
+            "second": second, "got": digests(model)}
+
+
+def test_trainer_killed_mid_collective_engine_side_survives():
+    """The trainer dies with a collective posted: the receiver reports within its timeout,
+    aborts its communicator (no watchdog tear-down), keeps its CUDA stream usable, re-joins a new
+    trainer and receives a full update bit for bit."""
+    timeout = 15.0
+    # The new trainer waits (its own timeout) while the receiver is still busy failing the first.
+    cfg1, cfg2 = ({"backend": "nccl", "control_port": free_port(), "group_port": free_port(),
+                   "world_size": 2, "bucket_bytes": 1 * MiB, "timeout_s": t}
+                  for t in (timeout, 8 * timeout))
+    _, sent, got = run_procs([(dying_trainer_proc, (cfg1, 3)), (good_trainer_proc, (cfg2,)),
+                              (surviving_receiver_proc, (cfg1, cfg2))], DEADLINE,
+                             allow_killed={0})
+    first = got["first"]
+    assert not first["ok"] and not first["consistent"], first  # data moved, in place
+    assert got["seconds"] < 3 * timeout, got["seconds"]
+    assert got["broken"] and got["stream_ok"]
+    assert got["second"]["ok"] and got["second"]["consistent"], got["second"]
+    assert got["got"] == sent["want"]

@@ -8,6 +8,8 @@ frame over the size bound is dropped before it is hashed or decoded, the socket 
 
 from __future__ import annotations
 
+import contextlib
+
 import ast
 import errno
 import fcntl
@@ -28,17 +30,20 @@ import vllm_nccl_sync.receiver as receiver_mod
 from tests.conftest import free_port
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.channel import ReceiverChannel, SenderChannel
+from vllm_nccl_sync.integrity import checksum
 from vllm_nccl_sync.packing import plan_buckets
 from vllm_nccl_sync.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
     BucketHeader,
+    Commit,
     Error,
     Go,
     Hello,
     ProtocolError,
     Ready,
+    Seal,
     Slot,
     encode,
 )
@@ -224,12 +229,22 @@ def test_wrong_secret_receiver_cannot_join():
 class _StandIn:
     """Data plane stand-in: the tests here are about the control plane."""
 
+    broken = ""
+
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")
 
-    def broadcast(self, tensor, src=0):
-        tensor.fill_(7)
+    def broadcast(self, tensor, src=0, *, length=None):
+        tensor[:length].fill_(7)
         return self
+
+    armed = staticmethod(lambda seconds, what: contextlib.nullcontext())
+
+    def extend(self, seconds):
+        pass
+
+    def abort(self, reason):
+        pass
 
     def wait(self):
         return True
@@ -257,9 +272,12 @@ class _NoLoader:
 
 
 def _update(version: int) -> list:
-    """The frames of a one-bucket update of one small tensor."""
+    """The frames of a one-bucket update of one small tensor, commit round included (what
+    `_StandIn` broadcasts: the bytes 7, hence the checksum)."""
     (b,) = plan_buckets([("w", torch.ones(4))], 1024)
-    return [b.header(version, 0, True, P), Go(P, version, 0)]
+    digest = checksum(torch.full((b.length,), 7, dtype=torch.uint8))
+    return [b.header(version, 0, True, P), Go(P, version, 0, digest),
+            Seal(P, version, 1, [digest]), Commit(P, version, 1)]
 
 
 def _seal(secret, sid, epoch, counter, rank, payload, direction=channel._TO_RECEIVER):
@@ -312,7 +330,7 @@ def test_receiver_with_the_wrong_secret_rejects_the_trainers_frames(monkeypatch)
         loader = _NoLoader()
         summary = rx.receive(loader, timeout_s=0.5)
         assert not summary["ok"] and "bad MAC" in summary["error"], summary
-        assert loader.calls == [] and rx.channel.rejections["bad MAC"] == 2
+        assert loader.calls == [] and rx.channel.rejections["bad MAC"] == len(_update(1))
     finally:
         rx.close()
         trainer.close()
@@ -353,13 +371,14 @@ def test_replayed_frames_are_dropped_by_the_receiver(monkeypatch):
         assert rx.receive(_NoLoader(), timeout_s=1)["ok"]
         captured = [f for f in tap.frames if f[0] == rx.channel.session]
         for_other = [f for f in tap.frames if f[0] == other.channel.session]
-        h2, g2 = _update(2)
+        h2, *rest2 = _update(2)
         trainer.send(1, h2)
         for f in captured:  # the whole of update 1 again, between the header and Go of update 2
             tap._real(f)
         for f in for_other:  # another session's frames, pushed into this receiver's connection
             tap._real([rx.channel.session, *f[1:]])
-        trainer.send(1, g2)
+        for msg in rest2:
+            trainer.send(1, msg)
         summary = rx.receive(_NoLoader(), timeout_s=1)
         assert summary["ok"] and summary["version"] == 2, summary
         assert rx.channel.rejections["replayed"] == len(captured)

@@ -30,7 +30,31 @@ from vllm_nccl_sync.testing import (
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
-LONG = 160  # tokens per in-flight request: long enough to still run when the update starts
+LONG = 160  # tokens per in-flight request (prompts are <= 12 tokens, max_model_len is 256)
+DEADLINE_S = 120.0  # bound on waiting for an observed state; never a guess at how fast things run
+
+# No test here depends on wall-clock speed. "Requests are in flight" is observed (each request has
+# streamed a token), never assumed after a sleep; and every assertion about the in-flight requests
+# holds whether a request was still running when the update paused the engine or had already
+# finished: `wait`/`keep` -> finish_reason "length" with all LONG tokens, `abort` -> that, or
+# "abort" with fewer. Where a request *must* be held by the engine at the pause (abort), the test
+# freezes the engine first and adds one while it is frozen (see the abort case below).
+
+
+def _wait_until(ready, what: str, timeout_s: float = DEADLINE_S) -> None:
+    """Poll `ready()` until true; fail with `what` after `timeout_s` (a generous deadline)."""
+    end = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > end:
+            pytest.fail(f"{what}: not observed within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _all_started(started: list[threading.Event], futs: list[Future]) -> bool:
+    for f in futs:  # a request that failed will never start: raise its error, don't wait
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    return all(e.is_set() for e in started)
 
 
 # ---------------------------------------------------------------------------- AsyncLLM in-process
@@ -59,7 +83,9 @@ def async_engine(tmp_path_factory):
     loop.call_soon_threadsafe(loop.stop)
 
 
-def _submit(engine, loop, prompt: list[int], max_tokens: int, rid: str) -> Future:
+def _submit(engine, loop, prompt: list[int], max_tokens: int, rid: str,
+            started: threading.Event | None = None) -> Future:
+    """Generate on the engine's loop; `started` is set once the engine has streamed a token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -68,9 +94,36 @@ def _submit(engine, loop, prompt: list[int], max_tokens: int, rid: str) -> Futur
         last = None
         async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, request_id=rid):
             last = out
+            if started is not None and out.outputs[0].token_ids:
+                started.set()
         return list(last.outputs[0].token_ids), last.outputs[0].finish_reason
 
     return asyncio.run_coroutine_threadsafe(run(), loop)
+
+
+def _submit_added(engine, loop, prompt: list[int], max_tokens: int,
+                  rid: str) -> tuple[threading.Event, Future]:
+    """Like `_submit`, through `AsyncLLM.add_request`: `added` is set once the request has been
+    sent to the engine core, on the same input socket (hence in order) as a later pause."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    added = threading.Event()
+
+    async def run():
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        q = await engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+        added.set()
+        while True:
+            out = q.get_nowait() or await q.get()
+            if out.finished:
+                return list(out.outputs[0].token_ids), out.outputs[0].finish_reason
+
+    return added, asyncio.run_coroutine_threadsafe(run(), loop)
+
+
+def _on_loop(loop, coro, timeout: float = DEADLINE_S):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 def _greedy_async(engine, loop, tag: str) -> list[list[int]]:
@@ -81,19 +134,39 @@ def _greedy_async(engine, loop, tag: str) -> list[list[int]]:
 @pytest.mark.parametrize("mode, version", [("wait", 2), ("keep", 3), ("abort", 4)])
 def test_async_llm_update_while_serving(async_engine, mode, version):
     engine, loop, sync = async_engine
-    inflight = [_submit(engine, loop, p, LONG, f"{mode}-long-{i}") for i, p in enumerate(PROMPTS)]
-    time.sleep(0.5)  # let them start decoding
-    assert not all(f.done() for f in inflight), "requests finished before the update: make them longer"
+    started = [threading.Event() for _ in PROMPTS]
+    inflight = [_submit(engine, loop, p, LONG, f"{mode}-long-{i}", e)
+                for i, (p, e) in enumerate(zip(PROMPTS, started))]
+    _wait_until(lambda: _all_started(started, inflight),
+                "every in-flight request streaming a token")
+    held = None
+    if mode == "abort":
+        # For `abort` to be exercised, the engine must hold a request when the update pauses it;
+        # "still running after we looked" would be a speed assumption. So freeze the engine
+        # (`keep`: nothing is scheduled, nothing finishes) and add one more request while it is
+        # frozen: it sits in the engine's queue, and the update's abort pause (sent later on the
+        # same socket) must abort it. The running ones are frozen wherever they had got to.
+        _on_loop(loop, engine.pause_generation(mode="keep", clear_cache=False))
+        try:
+            added, held = _submit_added(engine, loop, PROMPTS[0], LONG, "abort-held")
+            _wait_until(added.is_set, "the held request reaching the frozen engine")
+        except BaseException:
+            _on_loop(loop, engine.resume_generation())
+            raise
     model = build_model("qwen2", seed=version)
     result = sync.update(model.state_dict(), version=version, pause_mode=mode)
     assert result.version == version and len(result.acks) == 1
     finished = [f.result(180) for f in inflight]
     reasons = [r for _, r in finished]
     if mode == "abort":
-        assert "abort" in reasons, reasons  # aborted requests come back marked as aborted
-        assert all(r in ("abort", "length") for r in reasons)
+        assert held.result(180) == ([], "abort")  # held by the engine at the pause: aborted
+        # Each running request had either completed before the freeze or was aborted unfinished.
+        for toks, reason in finished:
+            assert (reason, len(toks) == LONG) in (("length", True), ("abort", False)), (
+                reason, len(toks))
     else:
-        assert reasons == ["length"] * len(PROMPTS), reasons  # nothing lost
+        # Nothing lost, whether a request was still running at the pause or had just finished.
+        assert reasons == ["length"] * len(PROMPTS), reasons
         assert all(len(toks) == LONG for toks, _ in finished)
     assert _greedy_async(engine, loop, f"check-{mode}") == hf_greedy(model, PROMPTS, MAX_TOKENS)
     [[state]] = sync.state()
@@ -145,15 +218,50 @@ def _complete(url: str, path: str, prompt: list[int], max_tokens: int) -> dict:
         return json.loads(r.read())["choices"][0]
 
 
+def _complete_streamed(url: str, path: str, prompt: list[int], max_tokens: int,
+                       started: threading.Event) -> dict:
+    """`_complete` as a stream; `started` is set once the server has streamed a token."""
+    import json
+
+    body = {"model": path, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    token_ids: list[int] = []
+    finish_reason = None
+    with urllib.request.urlopen(req, timeout=180) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[len(b"data:"):].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"streamed completion failed: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                token_ids += choice.get("token_ids") or []
+                finish_reason = choice.get("finish_reason") or finish_reason
+            if token_ids:
+                started.set()
+    return {"token_ids": token_ids, "finish_reason": finish_reason}
+
+
 @pytest.mark.parametrize("mode, version", [("wait", 2), ("keep", 3)])
 def test_served_update_with_requests_in_flight(server, mode, version):
     from concurrent.futures import ThreadPoolExecutor
 
     url, path, sync = server
+    started = [threading.Event() for _ in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        inflight = [pool.submit(_complete, url, path, p, LONG) for p in PROMPTS]
-        time.sleep(1.0)
-        assert not all(f.done() for f in inflight)
+        inflight = [pool.submit(_complete_streamed, url, path, p, LONG, e)
+                    for p, e in zip(PROMPTS, started)]
+        # In flight = the server has streamed each request a token (observed, not slept on).
+        # Whether each is still running when the update pauses the server or has just finished,
+        # `wait` and `keep` must return it whole: the assertions below hold either way.
+        _wait_until(lambda: _all_started(started, inflight),
+                    "every in-flight request streaming a token")
         model = build_model("qwen2", seed=version)
         result = sync.update(model.state_dict(), version=version, pause_mode=mode)
         finished = [f.result(240) for f in inflight]  # raises if any request failed

@@ -13,11 +13,31 @@ connects a DEALER. Every frame is `[tag, payload]`, `payload` being one encoded 
 - `direction` ("R>S" or "S>R") is inside the MAC, so a frame cannot be reflected back.
 
 Checks, in this order, before a payload is decoded: frame count, payload size (<= MAX_FRAME_BYTES,
-before any hashing; ZeroMQ's MAXMSGSIZE disconnects a peer that sends a larger frame, the socket
-lives on), tag length, MAC (`hmac.compare_digest`), session/routing id, rank, epoch, counter. A
-frame failing any check is dropped, counted (`rejected`, `rejections` by reason) and logged with
-the peer (routing id and address), rate-limited; the wait it arrived in goes on. A receiver's new
-session is accepted only through a `Hello` naming the same rank.
+before any hashing), tag length, MAC (`hmac.compare_digest`), session/routing id, rank, epoch,
+counter. A frame failing any check is dropped, counted (`rejected`, `rejections` by reason) and
+logged with the peer (routing id and address), rate-limited; the wait it arrived in goes on. A
+receiver's new session is accepted only through a `Hello` naming the same rank.
+
+A frame over ZeroMQ's MAXMSGSIZE (`MAX_WIRE_BYTES`) never reaches these checks: libzmq drops the
+connection it came on (the socket lives on). On the trainer's side the receiver's DEALER then
+reconnects; a receiver's DEALER that got such a frame stays disconnected for good (libzmq does not
+reconnect after a protocol error). A socket monitor on the DEALER records such drops (and failed
+handshakes): `ReceiverChannel.dropped` says what happened ("" while connected; a successful
+handshake, e.g. a reconnect to a restarted trainer, clears it), and the timeouts of `recv` and
+`send` name it.
+
+Every send is bounded: `ReceiverChannel.send` and `SenderChannel.send` wait at most `timeout_s`
+(a DEALER without a connection, or a peer whose queue is full, would otherwise block forever) and
+raise `TimeoutError` naming why; `SenderChannel.send` raises `zmq.ZMQError` (EHOSTUNREACH) for a
+rank with no live connection. `SenderChannel.send_all` never raises for a peer: it tries every rank
+(one whose queue is full does not hold up the others) and returns the ranks it could not reach,
+so an `Abort` reaches every live receiver whatever happened to the others. "Reached" means queued
+for a connection ZeroMQ still holds: a peer that died a moment ago may not have been noticed yet.
+`drain()` discards what is already queued (the frames still go through the checks, so counters
+and sessions stay current) before a new exchange starts.
+
+Error texts are bounded: an `Error`'s `message` is cut to `ERROR_MESSAGE_CHARS` and its
+`traceback` to its last `ERROR_TRACEBACK_CHARS` characters, when sent and when received (`clip`).
 
 What a shared secret covers (a peer without it can reach the port but not the protocol):
 - forging or altering any message, either way; joining as a receiver; pushing to a receiver;
@@ -52,6 +72,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import struct
@@ -62,6 +83,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from .protocol import MAX_FRAME_BYTES, Error, Hello, Message, ProtocolError, decode, encode
 
@@ -77,7 +99,61 @@ _TO_SENDER, _TO_RECEIVER = b"R>S", b"S>R"
 _LOG_FIRST, _LOG_EVERY = 20, 1000  # log the first rejections, then one in _LOG_EVERY
 _MAX_SESSIONS = 1 << 16
 _RETIRED_KEEP = 4096
-_ERROR_TEXT = 64 * 1024
+_DRAIN_MAX_S = 1.0  # drain() stops after this long, however fast frames keep coming
+_MONITOR_HWM = 10_000  # monitor events kept unread (drained at every channel call and wait)
+
+MAX_WIRE_BYTES = MAX_FRAME_BYTES + 64
+"""ZeroMQ's MAXMSGSIZE on both ends: a larger frame makes libzmq drop the connection it came on."""
+ERROR_MESSAGE_CHARS = 2_000
+"""An `Error`'s `message` is clipped to this many characters (head and tail kept)."""
+ERROR_TRACEBACK_CHARS = 8_000
+"""An `Error`'s `traceback` is clipped to its last this many characters."""
+
+_DROPPED = (f"the connection to the trainer was dropped (a control frame over the "
+            f"{MAX_WIRE_BYTES}-byte limit, or the trainer went away)")
+
+
+def _cut_mark(text: str, keep_of: int) -> tuple[str, int]:
+    """The cut marker for `text` shortened to `keep_of` characters, and how many text keeps."""
+    n = len(text) - keep_of
+    while True:  # the marker's own length depends on n; converges in a step or two
+        mark = f" \u2026 [{n} chars cut] \u2026 "
+        keep = keep_of - len(mark)
+        if len(text) - keep == n or keep <= 0:
+            return mark, keep
+        n = len(text) - keep
+
+
+def clip(text: str, limit: int = ERROR_MESSAGE_CHARS) -> str:
+    """`text` if it has at most `limit` characters, else `head … [N chars cut] … tail` of
+    exactly `limit` characters (a plain cut when `limit` is too small for the marker)."""
+    if len(text) <= limit:
+        return text
+    mark, keep = _cut_mark(text, limit)
+    if keep <= 0:
+        return text[: max(limit, 0)]
+    head = keep - keep // 2
+    return text[:head] + mark + text[len(text) - keep // 2 :]
+
+
+def _clip_tail(text: str, limit: int = ERROR_TRACEBACK_CHARS) -> str:
+    """Like `clip`, keeping only the tail (the end of a traceback says most)."""
+    if len(text) <= limit:
+        return text
+    mark, keep = _cut_mark(text, limit)
+    if keep <= 0:
+        return text[len(text) - max(limit, 0) :]
+    return mark.lstrip() + text[len(text) - keep :]
+
+
+def _bounded(msg: Message) -> Message:
+    """`msg` with the free texts of an `Error` clipped (other messages unchanged)."""
+    if isinstance(msg, Error) and (len(msg.message) > ERROR_MESSAGE_CHARS
+                                   or len(msg.traceback) > ERROR_TRACEBACK_CHARS):
+        msg = msgspec.structs.replace(
+            msg, message=clip(msg.message), traceback=_clip_tail(msg.traceback)
+        )
+    return msg
 
 
 def _mac(secret: bytes | None, direction: bytes, meta: bytes, payload) -> bytes:
@@ -97,13 +173,8 @@ def _tag_problem(n: int, peer: str) -> tuple[str, str, str]:
 
 
 def _encode(msg: Message) -> bytes:
-    """Encode `msg`, never producing a frame the peer would drop for its size."""
-    payload = encode(msg)
-    if len(payload) > MAX_FRAME_BYTES and isinstance(msg, Error):
-        msg = msgspec.structs.replace(
-            msg, message=msg.message[:_ERROR_TEXT], traceback=msg.traceback[-_ERROR_TEXT:]
-        )
-        payload = encode(msg)
+    """Encode `msg` (an `Error`'s texts clipped), never producing a frame the peer would drop."""
+    payload = encode(_bounded(msg))
     if len(payload) > MAX_FRAME_BYTES:
         raise ProtocolError(
             f"{type(msg).__name__} encodes to {len(payload)} bytes, over {MAX_FRAME_BYTES}"
@@ -143,7 +214,7 @@ def _curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
 def _socket(kind: int) -> zmq.Socket:
     sock = _context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 64)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
     return sock
 
 
@@ -200,15 +271,19 @@ class SenderChannel:
     ) -> None:
         self._secret = secret or None
         self._sock = _socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A receiver reconnecting (same session id) takes its routing id over at once; without
-        # this, a reconnect racing the old connection's teardown would be ignored by libzmq.
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if _curve_enabled(curve, self._secret):
-            _, sk = _curve_server_keys(self._secret)
-            self._sock.setsockopt(zmq.CURVE_SERVER, 1)
-            self._sock.setsockopt(zmq.CURVE_SECRETKEY, sk)
-        self._sock.bind(f"tcp://{host}:{port}")
+        try:
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # A receiver reconnecting (same session id) takes its routing id over at once;
+            # without this, a reconnect racing the old connection's teardown would be ignored.
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if _curve_enabled(curve, self._secret):
+                _, sk = _curve_server_keys(self._secret)
+                self._sock.setsockopt(zmq.CURVE_SERVER, 1)
+                self._sock.setsockopt(zmq.CURVE_SECRETKEY, sk)
+            self._sock.bind(f"tcp://{host}:{port}")
+        except BaseException:  # e.g. the port in use: do not leave the socket behind
+            self._sock.close()
+            raise
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         """The endpoint actually bound (`tcp://host:port`)."""
         self.epoch = secrets.token_bytes(16)
@@ -216,6 +291,8 @@ class SenderChannel:
         self._by_rank: dict[int, bytes] = {}
         self._retired: OrderedDict[bytes, None] = OrderedDict()
         self._reject = _Rejections()
+        self.unreachable: dict[int, str] = {}
+        """Ranks the last `send_all` could not reach, and why."""
 
     @property
     def rejected(self) -> int:
@@ -226,7 +303,12 @@ class SenderChannel:
     def rejections(self) -> Counter[str]:
         return self._reject.by_reason
 
-    def _send_payload(self, rank: int, payload: bytes) -> None:
+    def _send_payload(self, rank: int, payload: bytes, timeout_ms: int = 5000) -> None:
+        """Queue one frame for `rank`, waiting at most `timeout_ms` (0: not at all) for room.
+
+        Raises `zmq.Again` (queue still full) or `zmq.ZMQError` (EHOSTUNREACH: no session, or
+        ZeroMQ holds no connection for it).
+        """
         sid = self._by_rank.get(rank)
         if sid is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, f"rank {rank} has no session (no Hello received)")
@@ -234,22 +316,76 @@ class SenderChannel:
         s.sent += 1
         meta = _META.pack(FRAMING, sid, self.epoch, s.sent, rank)
         tag = meta + _mac(self._secret, _TO_RECEIVER, meta, payload)
+        self._sock.setsockopt(zmq.SNDTIMEO, max(timeout_ms, 0))
         self._sock.send_multipart([sid, tag, payload])
 
-    def send(self, rank: int, msg: Message) -> None:
-        self._send_payload(rank, _encode(msg))
+    def send(self, rank: int, msg: Message, timeout_s: float = 5.0) -> None:
+        """Send `msg` to `rank`, waiting at most `timeout_s` for room in its queue.
 
-    def send_all(self, ranks: list[int], msg: Message) -> None:
+        Raises `TimeoutError` if its queue stayed full, `zmq.ZMQError` (EHOSTUNREACH) if it has
+        no session or no live connection, `ProtocolError` if `msg` is too large to send.
+        """
         payload = _encode(msg)
-        for r in ranks:
-            self._send_payload(r, payload)
+        try:
+            self._send_payload(rank, payload, int(timeout_s * 1000))
+        except zmq.Again:
+            raise TimeoutError(
+                f"could not send {type(msg).__name__} to rank {rank} within {timeout_s:.1f} s: "
+                "its queue stayed full (the receiver is not reading)"
+            ) from None
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH or self._by_rank.get(rank) is None:
+                raise
+            raise zmq.ZMQError(
+                zmq.EHOSTUNREACH, f"rank {rank} is not connected (its receiver went away)"
+            ) from None
+
+    def send_all(self, ranks: list[int], msg: Message, timeout_s: float = 1.0) -> list[int]:
+        """Send `msg` to every rank in `ranks`; returns the ranks it could not reach (in order).
+
+        Never raises for a peer (only `ProtocolError`, before anything is sent, if `msg` is too
+        large). Every rank is tried at once without waiting; ranks whose queue is full are
+        retried until `timeout_s` has passed, so a slow peer never holds up the others. Why each
+        rank was missed is in `unreachable` (also logged).
+        """
+        payload = _encode(msg)
+        missed: dict[int, str] = {}
+        full: list[int] = []
+
+        def attempt(r: int) -> None:
+            try:
+                self._send_payload(r, payload, 0)
+                missed.pop(r, None)
+            except zmq.Again:
+                full.append(r)
+                missed[r] = "its queue stayed full (the receiver is not reading)"
+            except zmq.ZMQError as e:
+                missed[r] = ("not connected (its receiver went away)"
+                             if e.errno == zmq.EHOSTUNREACH and r in self._by_rank else str(e))
+
+        for r in dict.fromkeys(ranks):
+            attempt(r)
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while full and time.monotonic() < deadline:
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 0.05)
+            retry, full = full, []
+            for r in retry:
+                attempt(r)
+        self.unreachable = missed
+        for r, why in missed.items():
+            log.warning("could not send %s to rank %d: %s", type(msg).__name__, r, why)
+        return [r for r in dict.fromkeys(ranks) if r in missed]
 
     def recv(self, deadline: float) -> tuple[int, Message]:
         """Next valid message and its sender's rank; `TimeoutError` at `deadline` (monotonic)."""
         mark = self._reject.mark()
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(int(left * 1000), 1)):
+            if not self._sock.poll(max(math.ceil(left * 1000), 0)):
+                if time.monotonic() < deadline:
+                    continue
                 raise TimeoutError(
                     "no control message from the receivers before the deadline"
                     + self._reject.hint(mark)
@@ -257,6 +393,25 @@ class SenderChannel:
             got = self._accept(self._sock.recv_multipart(copy=False))
             if got is not None:
                 return got
+
+    def drain(self) -> int:
+        """Discard every frame already queued, without waiting; returns how many.
+
+        Each still goes through the checks (counters advance, so a discarded frame can never be
+        replayed later) and a `Hello` among them still binds its receiver's session.
+        """
+        n = 0
+        stop = time.monotonic() + _DRAIN_MAX_S
+        while time.monotonic() < stop:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            n += 1
+            got = self._accept(frames)
+            if got is not None:
+                log.info("drained a stale %s from rank %d", type(got[1]).__name__, got[0])
+        return n
 
     def _accept(self, frames: list[zmq.Frame]) -> tuple[int, Message] | None:
         rid = frames[0].bytes
@@ -294,6 +449,7 @@ class SenderChannel:
             msg = decode(payload)
         except ProtocolError as e:
             return self._reject("undecodable", peer, str(e)[:200])
+        msg = _bounded(msg)
         if getattr(msg, "rank", rank) != rank:
             return self._reject("rank mismatch", peer, f"session rank {rank}, message {msg.rank}")
         if s is None:
@@ -317,6 +473,11 @@ class SenderChannel:
         self._sock.close()
 
 
+_WATCH = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 class ReceiverChannel:
     """A receiver's end: one DEALER socket whose routing id is a fresh random session id."""
 
@@ -334,20 +495,39 @@ class ReceiverChannel:
         self._secret = secret or None
         self.rank = rank
         self.session = b"S" + secrets.token_bytes(15)  # a routing id must not start with 0
-        self._sock = _socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.session)
-        if _curve_enabled(curve, self._secret):
-            server_pk, _ = _curve_server_keys(self._secret)
-            pk, sk = zmq.curve_keypair()
-            self._sock.setsockopt(zmq.CURVE_SERVERKEY, server_pk)
-            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, pk)
-            self._sock.setsockopt(zmq.CURVE_SECRETKEY, sk)
+        curve = _curve_enabled(curve, self._secret)
         self.endpoint = f"tcp://{host}:{port}"
-        self._sock.connect(self.endpoint)
         self._epoch = _NO_EPOCH
         self._sent = 0
         self._last_in = 0
         self._reject = _Rejections()
+        self._dropped = ""
+        self._monitor: zmq.Socket | None = None
+        self._sock = _socket(zmq.DEALER)
+        try:
+            self._sock.setsockopt(zmq.IDENTITY, self.session)
+            if curve:
+                server_pk, _ = _curve_server_keys(self._secret)
+                pk, sk = zmq.curve_keypair()
+                self._sock.setsockopt(zmq.CURVE_SERVERKEY, server_pk)
+                self._sock.setsockopt(zmq.CURVE_PUBLICKEY, pk)
+                self._sock.setsockopt(zmq.CURVE_SECRETKEY, sk)
+            # A monitor (inproc PAIR) reports the DEALER's connection events: how else would we
+            # know that libzmq dropped the connection (module docstring)? Attached before connect.
+            addr = f"inproc://vllm-nccl-sync-monitor-{secrets.token_hex(8)}"
+            self._sock.monitor(addr, _WATCH)
+            self._monitor = _context().socket(zmq.PAIR)
+            self._monitor.setsockopt(zmq.LINGER, 0)
+            self._monitor.setsockopt(zmq.RCVHWM, _MONITOR_HWM)
+            self._monitor.connect(addr)
+            self._poller = zmq.Poller()
+            self._polled = self._sock  # the socket as registered (tests may wrap `_sock`)
+            self._poller.register(self._polled, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
+            self._sock.connect(self.endpoint)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def rejected(self) -> int:
@@ -358,30 +538,106 @@ class ReceiverChannel:
     def rejections(self) -> Counter[str]:
         return self._reject.by_reason
 
-    def send(self, msg: Message) -> None:
+    @property
+    def dropped(self) -> str:
+        """Why the connection to the trainer is down ("" while it is up, or not yet tried)."""
+        self._watch()
+        return self._dropped
+
+    def _watch(self) -> None:
+        """Read the monitor's pending events (never blocks)."""
+        while True:
+            try:
+                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = ev["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._dropped:
+                    log.info("rank %d reconnected to the trainer (%s)", self.rank, self.endpoint)
+                self._dropped = ""
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if not self._dropped:  # keep a handshake failure's more precise reason
+                    self._dropped = _DROPPED
+                    log.warning("rank %d: %s (%s)", self.rank, _DROPPED, self.endpoint)
+            else:
+                why = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
+                       zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error"}.get(kind, "no detail")
+                text = (f"the handshake with the trainer failed ({why}: a CURVE/secret "
+                        "mismatch, or no trainer of this package on that port)")
+                if text != self._dropped:  # libzmq retries every reconnect interval: log once
+                    log.warning("rank %d: %s (%s)", self.rank, text, self.endpoint)
+                self._dropped = text
+
+    def send(self, msg: Message, timeout_s: float = 5.0) -> None:
+        """Send `msg` to the trainer, waiting at most `timeout_s` for room to queue it.
+
+        Raises `TimeoutError` naming why (no connection: `dropped`; or a full queue), or
+        `ProtocolError` if `msg` is too large to send. Queued is not delivered: a frame queued
+        just as the connection drops is lost.
+        """
         payload = _encode(msg)
         meta = _META.pack(FRAMING, self.session, self._epoch, self._sent, self.rank)
         self._sent += 1
-        self._sock.send_multipart([meta + _mac(self._secret, _TO_SENDER, meta, payload), payload])
+        self._watch()
+        self._sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 0))
+        try:
+            self._sock.send_multipart(
+                [meta + _mac(self._secret, _TO_SENDER, meta, payload), payload]
+            )
+        except zmq.Again:
+            self._watch()
+            why = self._dropped or ("its queue stayed full (the trainer is not reading, or was "
+                                    "never reached)")
+            raise TimeoutError(
+                f"could not send {type(msg).__name__} to the trainer ({self.endpoint}) within "
+                f"{timeout_s:.1f} s: {why}"
+            ) from None
 
     def recv(self, timeout_s: float) -> Message:
         """Next message from the sender. Raises `TimeoutError`, or `ProtocolError` if malformed.
 
         Frames failing a check are dropped (and counted) without ending the wait; an
-        authenticated frame that does not decode is the sender's fault and raises.
+        authenticated frame that does not decode is the sender's fault and raises. A frame
+        already queued is returned even with `timeout_s` 0.
         """
         deadline = time.monotonic() + timeout_s
         mark = self._reject.mark()
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(int(left * 1000), 1)):
+            ready = dict(self._poller.poll(max(math.ceil(left * 1000), 0)))
+            if self._monitor in ready:
+                self._watch()
+            if self._polled not in ready:
+                if time.monotonic() < deadline:
+                    continue
+                self._watch()
                 raise TimeoutError(
                     f"no control message from the sender within {timeout_s:.1f} s"
                     + self._reject.hint(mark)
+                    + (f": {self._dropped}" if self._dropped else "")
                 )
             payload = self._accept(self._sock.recv_multipart(copy=False))
             if payload is not None:
-                return decode(payload)
+                return _bounded(decode(payload))
+
+    def drain(self) -> int:
+        """Discard every frame already queued, without waiting; returns how many.
+
+        Each still goes through the checks (counters advance, so a discarded frame can never be
+        replayed later); one that passes them but does not decode is discarded too.
+        """
+        n = 0
+        stop = time.monotonic() + _DRAIN_MAX_S
+        self._watch()
+        while time.monotonic() < stop:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            n += 1
+            self._accept(frames)
+        return n
 
     def _accept(self, frames: list[zmq.Frame]) -> memoryview | None:
         peer = f"{_peer(frames[-1])} ({self.endpoint})"
@@ -409,4 +665,12 @@ class ReceiverChannel:
         return payload
 
     def close(self) -> None:
-        self._sock.close()
+        """Close the socket and its monitor (idempotent)."""
+        if not self._sock.closed:
+            try:
+                self._sock.monitor(None, 0)  # stops libzmq's end of the monitor
+            except zmq.ZMQError:
+                pass
+            self._sock.close()
+        if self._monitor is not None and not self._monitor.closed:
+            self._monitor.close()

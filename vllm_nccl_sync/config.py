@@ -34,8 +34,9 @@ class SyncConfig:
     timeout_s: float = 120.0
     """Bound on every wait: rendezvous, control messages and collectives."""
     bucket_checksums: bool | None = None
-    """Checksum every bucket (sender) and check it before loading (receivers). None: on for
-    gloo, off for NCCL (on the GPU it costs a host sync and a pass over each bucket)."""
+    """Sender: checksum every bucket (None: on). Receivers decide for themselves whether they
+    require checksums (engine-side `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS`, on unless set to 0); a
+    sender with checksums off cannot push to a receiver that requires them."""
     secret: str = ""
     """Shared secret (hex) authenticating control frames with HMAC-SHA256; empty disables."""
 

@@ -1,9 +1,10 @@
 """Per-bucket integrity: a checksum of the wire bytes, computed by the sender, checked by receivers.
 
-CPU (gloo): CRC-32 of the bytes. CUDA (NCCL): a position-weighted sum of the bytes' 32-bit words
-computed on the GPU (sensitive to changed, swapped and shifted words), since copying a bucket to
-the host to hash it would cost more than the transfer. Both sides of one group use the same
-device type, hence the same function. The result is never 0 (0 means "no checksum" on the wire).
+CPU (gloo): CRC-32 of the bytes, on the host. CUDA (NCCL): a position-weighted sum of the bytes'
+32-bit words, computed on the GPU into a 0-d tensor (`checksum_gpu`) without any host sync, so a
+whole update's checksums are read back once; copying a bucket to the host to hash it would cost
+more than the transfer. Both sides of one group use the same device type, hence the same function.
+Values are positive and below 2**63 and never 0 (0 means "no checksum" on the wire).
 """
 
 from __future__ import annotations
@@ -12,24 +13,48 @@ import zlib
 
 import torch
 
-_CHUNK = 1 << 22  # words per step on CUDA: bounds the temporary int64 tensors to 32 MiB
-_weights: dict[torch.device, torch.Tensor] = {}
-_MASK = (1 << 63) - 1
+_COLS = 4096  # words per row of the 2-D view the GPU checksum reduces
+_MASK = (1 << 62) - 1
+_ramps: dict[torch.device, torch.Tensor] = {}
+
+
+def _ramp(n: int, device: torch.device) -> torch.Tensor:
+    """1, 2, ..., n as int64 on `device` (cached, grown on demand)."""
+    r = _ramps.get(device)
+    if r is None or r.numel() < n:
+        r = _ramps[device] = torch.arange(1, max(n, _COLS) + 1, dtype=torch.int64, device=device)
+    return r[:n]
+
+
+def checksum_gpu(data: torch.Tensor) -> torch.Tensor:
+    """Checksum of a flat uint8 tensor as a 0-d int64 tensor on its device, queued on the
+    current stream (no host sync); `int()` of it equals `checksum(data)`.
+
+    The 32-bit words, viewed as rows of `_COLS`, are summed along rows and along columns (two
+    reads of the data, no copy; 32-bit wrap-around sums), then the row and column sums are
+    weighted by their positions: a changed word changes both, a swap or shift changes the
+    weighted sums. Temporaries stay below 1/4096 of the bucket.
+    """
+    dev = data.device
+    n4 = data.numel() // 4
+    rows = n4 // _COLS
+    words = data[: n4 * 4].view(torch.int32)
+    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    if rows:
+        block = words[: rows * _COLS].view(rows, _COLS)
+        acc += (block.sum(dim=1, dtype=torch.int32).to(torch.int64) * _ramp(rows, dev)).sum()
+        acc += (block.sum(dim=0, dtype=torch.int32).to(torch.int64) * _ramp(_COLS, dev)).sum() * 7919
+    tail = words[rows * _COLS :]
+    if tail.numel():
+        acc += (tail.to(torch.int64) * _ramp(tail.numel(), dev)).sum() * 31
+    rest = data[n4 * 4 :]
+    if rest.numel():
+        acc += (rest.to(torch.int64) * _ramp(rest.numel(), dev)).sum() * 1_000_003
+    return (((acc & _MASK) ^ data.numel()) << 1) | 1
 
 
 def checksum(data: torch.Tensor) -> int:
     """Checksum of a flat uint8 tensor; blocks until the bytes are ready (a host sync on CUDA)."""
     if data.device.type == "cpu":
         return (zlib.crc32(memoryview(data.numpy())) << 1) | 1
-    n4 = data.numel() // 4 * 4
-    words = data[:n4].view(torch.int32)
-    w = _weights.get(data.device)
-    if w is None:
-        w = _weights[data.device] = torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=data.device)
-    acc = torch.zeros((), dtype=torch.int64, device=data.device)
-    for i, start in enumerate(range(0, words.numel(), _CHUNK)):
-        part = words[start : start + _CHUNK].to(torch.int64)
-        acc += (part * (w[: part.numel()] + i)).sum()
-    tail = data[n4:].to(torch.int64).sum() * 1_000_003
-    total = int((acc + tail).item()) & _MASK
-    return ((total ^ data.numel()) << 1) | 1
+    return int(checksum_gpu(data).item())

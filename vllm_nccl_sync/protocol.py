@@ -4,24 +4,32 @@ Every message is a `msgspec.Struct` of one closed tagged union (`Message`), enco
 and decoded with a typed decoder, so a frame from the network can only ever become one of these
 plain records: no pickle, nothing executable. Each message carries `protocol`.
 
-One update, per bucket k (sender S, every receiver R):
+One update (sender S, every receiver R):
 
+    S -> R  Plan | -               optional: every tensor of the update, checked before any byte
+    R -> S  Ready(-1) | Error
+    per bucket k:
     S -> R  BucketHeader(k)        what bucket k holds and its exact byte `length`
     R -> S  Ready(k) | Error       the receiver checked the header against its buffer and model
     S -> R  Go(k) | Abort          every receiver said Ready: the collective for k may start
     S => R  broadcast of exactly `length` bytes (data plane)
-    ...
-    R -> S  Ack                    after the bucket with `is_last`, once everything is loaded
+    then the commit round:
+    S -> R  Seal                   how many buckets there were and each one's checksum
+    R -> S  Ack(phase 1) | Error   everything arrived and verified (in place: and is loaded)
+    S -> R  Commit(1) | Abort      every receiver of every engine acknowledged
+    staged updates only:           R loads now; Ack(phase 2) | Error; S -> R Commit(2) | Abort
 
 A receiver never enters a collective before it has seen `Go` for that bucket, so a disagreement
-becomes an `Error` + `Abort` on every side instead of a hang.
+becomes an `Error` + `Abort` on every side instead of a hang. A receiver stamps the update's
+version only on the last `Commit`: an engine never reports a version that some of its workers do
+not hold.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on every incompatible change of these messages."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -61,6 +69,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     tp_size: int
     bucket_bytes: int
     backend: str
+    checksums: bool = True
+    """This receiver refuses buckets that no sender checksum covers (its own policy)."""
 
 
 class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
@@ -98,13 +108,15 @@ class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True
     protocol: int
     rank: int
     seq: int
+    version: int = -1
 
 
 class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
     """Sender -> receivers: every receiver is ready; the collective for `seq` starts now.
 
-    `checksum` (0: none) is `integrity.checksum` of the bucket's wire bytes; a receiver checks it
-    after the collective and before loading anything from the bucket.
+    `checksum` (0: none) is `integrity.checksum` of the bucket's wire bytes when the sender has it
+    on the host already (gloo); a receiver then checks it before loading anything from the bucket.
+    On NCCL the checksums come in the `Seal` (computed on the GPU, read once per update).
     """
 
     protocol: int
@@ -114,7 +126,8 @@ class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
-    """Sender -> receivers: the update is abandoned before the collective of bucket `seq`."""
+    """Sender -> receivers: update `version` is abandoned at bucket `seq` (-1: the plan; `seq`
+    past the last bucket: the commit round). No collective of `seq` or later will be posted."""
 
     protocol: int
     version: int
@@ -122,8 +135,19 @@ class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True
     reason: str
 
 
+class Seal(msgspec.Struct, tag="seal", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers after the last collective: the update had `buckets` buckets, whose
+    checksums are `checksums` (one per bucket, 0: none). Opens the commit round."""
+
+    protocol: int
+    version: int
+    buckets: int
+    checksums: list[int]
+
+
 class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
-    """Receiver -> sender: the whole update is loaded."""
+    """Receiver -> sender. Phase 1: every bucket arrived and verified (in place: and is loaded).
+    Phase 2 (staged): the verified update is loaded."""
 
     protocol: int
     rank: int
@@ -132,19 +156,31 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     bytes: int
     tensors: int
     seconds: float
+    phase: int = 1
+
+
+class Commit(msgspec.Struct, tag="commit", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers: every receiver acknowledged `phase` of update `version`."""
+
+    protocol: int
+    version: int
+    phase: int
 
 
 class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True):
-    """Either way: the peer failed; `message` names the problem, `traceback` is the remote one."""
+    """Either way: the peer failed; `message` names the problem, `traceback` is the remote one.
+    `version` is the update it belongs to (-1: none yet), so a late error of an aborted update
+    cannot fail the next one."""
 
     protocol: int
     rank: int
     seq: int
     message: str
     traceback: str = ""
+    version: int = -1
 
 
-Message = Hello | Plan | BucketHeader | Ready | Go | Abort | Ack | Error
+Message = Hello | Plan | BucketHeader | Ready | Go | Abort | Seal | Ack | Commit | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

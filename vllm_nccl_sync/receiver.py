@@ -2,24 +2,32 @@
 
 Per bucket: header (control plane) -> checked -> `Ready` -> `Go` -> exactly `length` bytes by
 broadcast into one of two preallocated buffers -> views handed to a `WeightLoader`. The header
-of bucket k+1 is read and answered while bucket k is on the wire, so the link never waits for the
-control round trip.
+of bucket k+1 is read and answered while bucket k is on the wire. After the last bucket comes the
+commit round (see `protocol`): the sender's `Seal` lists every bucket's checksum, the receiver
+answers `Ack` once everything arrived and verified, and stamps the version only on `Commit`.
 
-Buffer reuse on CUDA is ordered by events, never by a host or device-wide synchronize: loads run on
-the caller's current stream (after `work.wait()` made it wait for the collective), and an event
-recorded after the loads of bucket k marks buffer k%2 free. The collective of bucket k+2 is issued
-from a side stream that waits only on that event, so the broadcast of k+1 overlaps the loads of k
-(issuing it from the current stream would make NCCL wait for the loads of k too, serialising link
-and loads). On CPU (gloo) the loads finish before the next collective is issued.
+This receiver decides integrity, not the sender: with `require_checksums` (the default; turned off
+only on the engine side, `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS=0`), a bucket that no checksum covers is
+refused. On gloo the checksum of bucket k comes in `Go` and is checked before loading; on CUDA the
+receiver computes each bucket's checksum on the GPU and compares them all once, at the `Seal`.
 
-A receiver that fails (bad header, loader error) keeps taking part in every collective it already
-agreed to, then answers the next header or the end with `Error`; the sender then aborts every
-rank the same way. Nothing blocks past `timeout_s`.
+CUDA ordering: collectives are issued from a side stream that waits only for the loads that last
+read the buffer; loads run on a second side stream that waits for the collective. vLLM's own stream
+never waits on a collective: before `receive` returns, the load stream is polled to completion
+within the deadline, and a collective that will not finish gets its communicator aborted
+(`Transport.armed`), so a dead trainer can never hang the engine or reach its compute stream.
+
+A receiver that fails keeps taking part in every collective it already agreed to, then answers the
+next header or the `Seal` with `Error`; the sender then aborts every rank the same way. A worker
+whose weights may differ from what its peers hold under the stamped version reports
+`consistent: False` until the next complete update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,16 +35,33 @@ from typing import Any, Protocol
 
 import torch
 
-from .channel import ReceiverChannel
+from .channel import ReceiverChannel, clip
 from .config import SyncConfig
 from .handshake import Reference
-from .integrity import checksum
+from .integrity import checksum, checksum_gpu
 from .metrics import observe_update
 from .packing import Reassembler, validate_header
-from .protocol import PROTOCOL_VERSION, Abort, Ack, BucketHeader, Error, Go, Hello, Plan, Ready, TensorSpec
+from .protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    BucketHeader,
+    Commit,
+    Error,
+    Go,
+    Hello,
+    Plan,
+    ProtocolError,
+    Ready,
+    Seal,
+    TensorSpec,
+)
 from .transport import Transport
 
 log = logging.getLogger(__name__)
+
+_CANARY = 8
+"""Bytes past `length` that a gloo receiver fills with random bytes and checks afterwards."""
 
 
 class WeightLoader(Protocol):
@@ -55,20 +80,49 @@ class UpdateFailed(RuntimeError):
     """This update did not complete; the text says why and on which side."""
 
 
+def require_checksums_default() -> bool:
+    """The engine-side policy: `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS` ("1" unless set to "0")."""
+    return os.environ.get("VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS", "1") != "0"
+
+
 @dataclass(slots=True)
 class ReceiverState:
     """What this worker holds and has done; reported by `nccl_sync_state`."""
 
     version: int = -1
-    """Version of the last complete update (-1: the weights the engine started with)."""
+    """Version of the last committed update (-1: the weights the engine started with)."""
     consistent: bool = True
-    """False after an update failed part-way in place: some tensors are new, some old."""
+    """False once an update failed after data may have been loaded anywhere: this worker (or a
+    peer) may hold tensors of another version than `version`."""
     updates: int = 0
     failures: int = 0
     bytes: int = 0
     last_seconds: float = 0.0
     last_error: str = ""
     history: list[dict] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Update:
+    """Book-keeping of the update in progress."""
+
+    version: int = -1
+    staged: bool = False
+    seq: int = 0
+    nbytes: int = 0
+    ntensors: int = 0
+    failed: str | None = None
+    began: bool = False
+    exposed: bool = False
+    """Data of this update may have been loaded by some worker: a failure now leaves it mixed."""
+    in_step: bool = True
+    """Every collective this receiver agreed to was joined (the group stays usable)."""
+    unwaited: list[Any] = field(default_factory=list)
+    """Collectives posted and not yet waited for."""
+    sums: list[Any] = field(default_factory=list)
+    """Per bucket: the checksum of what arrived (int on CPU, a 0-d GPU tensor on CUDA)."""
+    staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    t0: float = 0.0
 
 
 class Receiver:
@@ -85,131 +139,148 @@ class Receiver:
         device: torch.device | None = None,
         reference: Reference | None = None,
         state: ReceiverState | None = None,
+        require_checksums: bool | None = None,
     ) -> None:
         """Join as `rank`; `reference` (the engine's tensors) lets plans and headers be checked
         against the model before any byte moves; `state` carries what the worker holds across
-        re-joins (a re-joined worker must not forget that its weights are inconsistent)."""
+        re-joins (a re-joined worker must not forget that its weights are inconsistent);
+        `require_checksums` (default: `require_checksums_default()`) refuses unchecked buckets."""
         if rank == 0:
             raise ValueError("rank 0 is the sender")
         self.cfg = cfg
         self.rank = rank
         self.reference = reference
-        self.broken = ""  # why the data-plane group can no longer be trusted ("" while healthy)
+        self.require_checksums = (require_checksums_default() if require_checksums is None
+                                  else require_checksums)
+        self._broken = ""  # a failure that left this receiver out of step with the group
         self._refused_seq = -1  # the bucket this receiver last answered with Error
+        self._version = -1  # the update in progress (for the versions of our Errors)
+        # The trainer waits `timeout_s` for the slowest receiver, then sends its verdict (Go,
+        # Commit or Abort): receivers wait a little longer for it, so a dead peer is named by the
+        # trainer and every live receiver hears the same verdict instead of racing it.
+        self._verdict_s = cfg.timeout_s + max(1.0, 0.1 * cfg.timeout_s)
         self.state = state if state is not None else ReceiverState()
         self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
-        self.channel.send(
-            Hello(PROTOCOL_VERSION, rank, replica, tp_rank, tp_size, cfg.bucket_bytes, cfg.backend)
-        )
+        self.channel.send(Hello(PROTOCOL_VERSION, rank, replica, tp_rank, tp_size,
+                                cfg.bucket_bytes, cfg.backend, self.require_checksums),
+                          cfg.timeout_s)
         self.transport = Transport(cfg, rank, device)
         dev = self.transport.device
         self.buffers = [torch.empty(cfg.bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
         self._cuda = dev.type == "cuda"
         if self._cuda:
-            # Collectives are issued from this stream: it waits only for the loads that last read
-            # the buffer being refilled (see the module docstring).
             self._issue_stream = torch.cuda.Stream(dev)
+            self._load_stream = torch.cuda.Stream(dev)
             self._free = [torch.cuda.Event(), torch.cuda.Event()]
 
-    def _broadcast_into(self, i: int, length: int):
-        """Start the collective filling `buffers[i][:length]` once its previous loads are done."""
-        buf = self.buffers[i][:length]
-        if not self._cuda:
-            return self.transport.broadcast(buf)
-        with torch.cuda.stream(self._issue_stream):
-            self._issue_stream.wait_event(self._free[i])
-            return self.transport.broadcast(buf)
+    @property
+    def broken(self) -> str:
+        """Why the data-plane group can no longer be trusted ("" while healthy)."""
+        return self.transport.broken or self._broken
 
-    def _error(self, seq: int, message: str) -> None:
-        self.channel.send(Error(PROTOCOL_VERSION, self.rank, seq, message, traceback.format_exc()))
+    # ------------------------------------------------------------------ control-plane helpers
 
-    def _answer(
-        self, header: BucketHeader, seq: int, failed: str | None, planned: bool = False
-    ) -> str | None:
-        """Check header `seq`; reply Ready, or Error naming the problem. Returns the failure."""
+    def _error(self, seq: int, message: str, tb: str = "") -> None:
+        """Tell the sender (bounded: a dead or unreachable sender must not block us)."""
+        try:
+            self.channel.send(Error(PROTOCOL_VERSION, self.rank, seq, clip(message),
+                                    tb or traceback.format_exc(), self._version),
+                              min(self.cfg.timeout_s, 5.0))
+        except (TimeoutError, OSError, ValueError) as e:
+            log.warning("rank %d could not report its error to the trainer: %s", self.rank, e)
+
+    def _recv(self, deadline: float):
+        msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+        self.transport.extend(self._verdict_s)  # progress: the deadman restarts its count
+        return msg
+
+    def _expect(self, kind: type, seq: int, u: _Update, timeout_s: float):
+        """Next control message of this update: `kind` for `seq`, else `UpdateFailed`.
+
+        An `Abort` of this update ends it; messages of other updates are skipped.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._recv(deadline)
+            if getattr(msg, "version", u.version) != u.version:
+                log.info("skipping a %s of update %s during update %d", type(msg).__name__,
+                         msg.version, u.version)
+                continue
+            if isinstance(msg, Abort):
+                raise UpdateFailed(f"sender aborted update {u.version} at bucket {msg.seq}: "
+                                   f"{clip(msg.reason)}")
+            if isinstance(msg, kind) and getattr(msg, "seq", seq) == seq:
+                return msg
+            text = f"expected {kind.__name__} for bucket {seq}, got {clip(repr(msg), 200)}"
+            self._error(seq, f"rank {self.rank}: {text}")  # the sender may be waiting for us
+            raise UpdateFailed(text)
+
+    def _answer(self, header: BucketHeader, seq: int, u: _Update, planned: bool = False) -> None:
+        """Check header `seq`; reply Ready, or Error naming the problem (kept in `u.failed`)."""
+        failed = u.failed
         if (failed is None and seq == 0 and not planned and header.version <= self.state.version
                 and not header.force):
             failed = (f"rank {self.rank} refused update {header.version}: it holds version "
                       f"{self.state.version} (push with force=True to go back)")
+        if failed is None and seq > 0 and header.staged != u.staged:
+            failed = f"rank {self.rank} rejected bucket {seq}: staged flag changed mid-update"
         if failed is None:
             try:
                 validate_header(header, seq, self.cfg.bucket_bytes)
             except ValueError as e:
-                failed = f"rank {self.rank} rejected bucket {seq}: {e}"
+                failed = f"rank {self.rank} rejected bucket {seq}: {clip(str(e))}"
         if failed is None and self.reference is not None:
             specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
             problems = self.reference.problems(specs)
             if problems:
-                failed = f"rank {self.rank} rejected bucket {seq}: " + "; ".join(problems[:5])
+                failed = f"rank {self.rank} rejected bucket {seq}: " + clip("; ".join(problems[:5]))
         if failed is None:
-            self.channel.send(Ready(PROTOCOL_VERSION, self.rank, seq))
+            self.channel.send(Ready(PROTOCOL_VERSION, self.rank, seq, header.version),
+                              self.cfg.timeout_s)
         else:
             self._error(seq, failed)
             self._refused_seq = seq
-        return failed
-
-    def _expect(self, kind: type, seq: int, version: int | None, timeout_s: float):
-        """Next control message of this update: `kind` for `seq`, else `UpdateFailed`.
-
-        While waiting for the first header (`version` None), leftovers of an earlier, aborted
-        update are skipped; afterwards an `Abort` of this update ends it.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
-            if version is None and not isinstance(msg, BucketHeader):
-                log.info("skipping a stale %s before the next update", type(msg).__name__)
-                continue
-            if isinstance(msg, Abort) and msg.version == version:
-                raise UpdateFailed(f"sender aborted update {version} at bucket {msg.seq}: {msg.reason}")
-            if isinstance(msg, kind) and msg.seq == seq and (version is None or msg.version == version):
-                return msg
-            text = f"expected {kind.__name__} for bucket {seq}, got {msg!r:.200}"
-            self._error(seq, f"rank {self.rank}: {text}")  # the sender may be waiting for us
-            raise UpdateFailed(text)
+        u.failed = failed
 
     def _first(self, timeout_s: float) -> tuple[Plan | None, BucketHeader]:
         """The update's opening: an optional `Plan` (answered here), then header 0.
 
-        Leftovers of an earlier, aborted update are skipped. A refused plan still waits for the
-        sender's `Abort`, so both sides end the update the same way.
+        Leftovers of an earlier update are skipped. A refused plan still waits for the sender's
+        `Abort`, so both sides end the update the same way.
         """
         deadline = time.monotonic() + timeout_s
         plan = None
         while True:
-            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+            try:
+                msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+            except ProtocolError as e:  # junk left from before this update: not its concern
+                log.warning("rank %d skipping an undecodable frame before the update: %s",
+                            self.rank, clip(str(e), 200))
+                continue
             if isinstance(msg, Plan) and plan is None:
                 plan = msg
+                self._version = plan.version
                 problem = self._plan_problem(plan)
                 if problem:
-                    self._error(-1, problem)
+                    self._error(-1, problem, " ")
+                    u = _Update(version=plan.version)
                     try:  # the sender answers a refusal with Abort: end in step with it
-                        self._expect(Abort, -1, plan.version, self.cfg.timeout_s)
+                        self._expect(Abort, -1, u, self._verdict_s)
                     except (UpdateFailed, TimeoutError):
                         pass
                     raise UpdateFailed(problem)
-                self.channel.send(Ready(PROTOCOL_VERSION, self.rank, -1))
-                deadline = time.monotonic() + self.cfg.timeout_s
-            elif isinstance(msg, BucketHeader):
+                self.channel.send(Ready(PROTOCOL_VERSION, self.rank, -1, plan.version),
+                                  self.cfg.timeout_s)
+                deadline = time.monotonic() + self._verdict_s
+            elif isinstance(msg, BucketHeader) and msg.seq == 0:
                 if plan is not None and msg.version != plan.version:
                     raise UpdateFailed(f"header of update {msg.version} after plan {plan.version}")
+                self._version = msg.version
                 return plan, msg
             elif plan is not None and isinstance(msg, Abort) and msg.version == plan.version:
-                raise UpdateFailed(f"sender aborted update {msg.version}: {msg.reason}")
+                raise UpdateFailed(f"sender aborted update {msg.version}: {clip(msg.reason)}")
             else:
                 log.info("skipping a stale %s before the next update", type(msg).__name__)
-
-    def _start(self, header: BucketHeader, seq: int, failed: str | None) -> tuple[Go, Any]:
-        """Wait for `Go` of bucket `seq` and post its collective; `(go, handle or None)`.
-
-        `failed` is what this receiver answered for the header: a sender must `Abort` a refused
-        bucket, and a collective is never sized by a refused header.
-        """
-        go = self._expect(Go, seq, header.version, self.cfg.timeout_s)
-        if failed is not None and self._refused_seq == seq:
-            raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {failed}")
-        work = self._broadcast_into(seq % 2, header.length) if header.length else None
-        return go, work
 
     def _plan_problem(self, plan: Plan) -> str:
         """Why this receiver refuses `plan` ("" if it accepts it)."""
@@ -222,112 +293,298 @@ class Receiver:
         if not problems:
             return ""
         more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-        return f"rank {self.rank} refused update {plan.version}: " + "; ".join(problems[:5]) + more
+        return clip(f"rank {self.rank} refused update {plan.version}: "
+                    + "; ".join(problems[:5]) + more)
+
+    # ------------------------------------------------------------------ data plane
+
+    def _post(self, header: BucketHeader, seq: int, u: _Update) -> Any:
+        """Post the collective filling buffer seq%2 (gloo: the whole buffer, with a canary past
+        `length`, so a longer broadcast is caught instead of aborting the process)."""
+        i, length = seq % 2, header.length
+        buf = self.buffers[i]
+        if not self._cuda:
+            room = min(_CANARY, buf.numel() - length)
+            canary = torch.frombuffer(bytearray(os.urandom(room)), dtype=torch.uint8) if room else None
+            if canary is not None:
+                buf[length : length + room].copy_(canary)
+            return self.transport.broadcast(buf, length=length), canary
+        with torch.cuda.stream(self._issue_stream):
+            self._issue_stream.wait_event(self._free[i])
+            return self.transport.broadcast(buf[:length]), None
+
+    def _start(self, header: BucketHeader, seq: int, u: _Update) -> tuple[Go, Any]:
+        """Wait for `Go` of bucket `seq` and post its collective; `(go, (handle, canary) | None)`.
+
+        A bucket this receiver refused is never entered (a correct sender aborts it). A `Go`
+        without a checksum where one is required is joined (to stay in step) but not loaded.
+        """
+        go = self._expect(Go, seq, u, self._verdict_s)
+        if u.failed is not None and self._refused_seq == seq:
+            u.in_step = False
+            raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {u.failed}")
+        if u.staged is False:
+            u.exposed = True  # in place: from now on some worker may load this update's data
+        if (self.require_checksums and not self._cuda and header.length and not go.checksum
+                and u.failed is None):
+            u.failed = (f"rank {self.rank}: Go for bucket {seq} carries no checksum, and this "
+                        "receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not loaded")
+        if not header.length:
+            return go, None
+        posted = self._post(header, seq, u)
+        u.unwaited.append(posted[0])
+        return go, posted
+
+    def _arrived(self, header: BucketHeader, seq: int, go: Go, posted: Any, u: _Update) -> None:
+        """Wait for bucket `seq`'s bytes (CPU: on the host; CUDA: on the load stream) and check
+        what can be checked now."""
+        if posted is None:
+            u.sums.append(None)
+            return
+        work, canary = posted
+        buf = self.buffers[seq % 2]
+        u.unwaited.remove(work)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            self._broken = f"collective of bucket {seq} failed: {clip(str(e))}"
+            raise
+        u.nbytes += header.length
+        if self._cuda:
+            u.sums.append(checksum_gpu(buf[: header.length]))
+            return
+        length = header.length
+        if canary is not None and not torch.equal(buf[length : length + canary.numel()], canary):
+            u.sums.append(None)
+            u.failed = u.failed or (f"rank {self.rank}: bucket {seq} broadcast more bytes than "
+                                    f"its header's length {length}; not loaded")
+            return
+        got = checksum(buf[:length])
+        u.sums.append(got)
+        if u.failed is None and go.checksum and got != go.checksum:
+            u.failed = (f"rank {self.rank}: bucket {seq} arrived corrupted or short "
+                        f"(checksum {got:#x} != sender's {go.checksum:#x}); not loaded")
+
+    def _load(self, header: BucketHeader, seq: int, loader: WeightLoader, re: Reassembler,
+              u: _Update) -> None:
+        """Hand bucket `seq`'s tensors to the loader (or keep clones of them when staged)."""
+        if u.failed is not None:
+            return
+        try:
+            named = re.unpack(header, self.buffers[seq % 2])
+            u.ntensors += len(named)
+            if u.staged:
+                u.staged_tensors += [(n, t.clone()) for n, t in named]
+                if header.is_last:
+                    re.finish()
+                return
+            if named or header.is_last:
+                if not u.began:
+                    loader.begin()
+                    u.began = True
+                loader.load(named)
+            if header.is_last:
+                re.finish()
+        except Exception as e:  # the loader is user/vLLM code: report, don't crash
+            u.failed = f"rank {self.rank} failed loading bucket {seq}: {clip(repr(e))}"
+            log.exception("loading bucket %d failed", seq)
+
+    def _settle(self) -> None:
+        """CUDA: wait (bounded, polling) until every load and collective of this update ran."""
+        if self._cuda:
+            self.transport.wait_stream(self._load_stream, self.cfg.timeout_s)
+
+    def _verify(self, seal: Seal, u: _Update) -> None:
+        """Compare the sender's `Seal` with what arrived: bucket count and every checksum."""
+        if u.failed is not None:
+            return
+        n = u.seq + 1
+        if seal.buckets != n or len(seal.checksums) != n:
+            u.failed = (f"rank {self.rank}: sender sealed update {u.version} with "
+                        f"{seal.buckets} buckets / {len(seal.checksums)} checksums, "
+                        f"{n} arrived")
+            return
+        if self._cuda:
+            dev = [s for s in u.sums if s is not None]
+            values = iter(torch.stack(dev).tolist() if dev else [])
+            got = [None if s is None else next(values) for s in u.sums]
+        else:
+            got = u.sums
+        for k, (mine, theirs) in enumerate(zip(got, seal.checksums, strict=True)):
+            if mine is None:
+                continue
+            if not theirs:
+                if self.require_checksums:
+                    u.failed = (f"rank {self.rank}: no checksum for bucket {k} in the seal, and "
+                                "this receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS)")
+                    return
+                continue
+            if mine & ((1 << 64) - 1) != theirs:
+                u.failed = (f"rank {self.rank}: bucket {k} arrived corrupted (checksum "
+                            f"{mine & ((1 << 64) - 1):#x} != sender's {theirs:#x})")
+                return
+
+    def _commit(self, phase: int, u: _Update) -> None:
+        """Wait for `Commit(phase)` of this update (an `Abort` or a timeout fails it)."""
+        deadline = time.monotonic() + self._verdict_s
+        while True:
+            msg = self._recv(deadline)
+            if getattr(msg, "version", None) != u.version:
+                continue
+            if isinstance(msg, Commit) and msg.phase == phase:
+                return
+            if isinstance(msg, Abort):
+                if u.staged and phase == 1:
+                    u.exposed = False  # no worker was told to load: the model is intact
+                raise UpdateFailed(f"sender aborted update {u.version} in the commit round: "
+                                   f"{clip(msg.reason)}")
+            text = f"expected Commit({phase}) of update {u.version}, got {clip(repr(msg), 200)}"
+            self._error(u.seq + phase, f"rank {self.rank}: {text}")  # the sender may be waiting
+            raise UpdateFailed(text)
+
+    # ------------------------------------------------------------------ one update
 
     def receive(self, loader: WeightLoader, timeout_s: float | None = None) -> dict:
         """Receive one whole update into `loader`; returns a msgpack-native summary.
 
         `timeout_s` bounds the wait for the update to start (the trainer may still be training);
-        every later wait is bounded by the config's `timeout_s`. In place, tensors are loaded
-        bucket by bucket; `staged` updates are held (cloned) until the last bucket arrived and
-        verified, then loaded at once, so a failure leaves the model untouched.
+        every later wait is bounded by the config's `timeout_s`. The version is stamped only when
+        the sender commits, i.e. when every receiver of every engine confirmed the update.
         """
         if self.broken:
             return self._summary(ok=False, seq=-1, nbytes=0,
                                  error=f"transfer group is broken ({self.broken}); join again")
-        t_wait = self.cfg.timeout_s
         self._refused_seq = -1
+        self._version = -1
+        u = _Update()
         re = Reassembler()
-        seq, nbytes, ntensors = 0, 0, 0
-        failed: str | None = None
-        began = False
-        staged: list[tuple[str, torch.Tensor]] = []
-        t0 = 0.0
         try:
-            plan, header = self._first(timeout_s or t_wait)
-            t0 = time.perf_counter()
-            if self._cuda:
-                cur = torch.cuda.current_stream(self.transport.device)
-                for ev in self._free:  # all earlier work on the caller's stream precedes bucket 0/1
-                    ev.record(cur)
-            failed = self._answer(header, 0, failed, plan is not None)
-            go, work = self._start(header, 0, failed)
-            while True:
-                buf = self.buffers[seq % 2]
-                nxt = nxt_go = nxt_work = None
-                if not header.is_last:
-                    nxt = self._expect(BucketHeader, seq + 1, header.version, t_wait)
-                    failed = self._answer(nxt, seq + 1, failed)
-                if work is not None:
-                    try:
-                        work.wait()
-                    except RuntimeError as e:
-                        self.broken = f"collective of bucket {seq} failed: {e}"
-                        raise
-                nbytes += header.length
-                if failed is None and go.checksum:
-                    got = checksum(buf[: header.length])
-                    if got != go.checksum:
-                        failed = (f"rank {self.rank}: bucket {seq} arrived corrupted "
-                                  f"(checksum {got:#x} != sender's {go.checksum:#x}); not loaded")
-                if nxt is not None and not self._cuda:
-                    # CPU loads block the host: start bucket k+1 first so the link never waits
-                    # for them (its buffer's previous loads, of k-1, are finished).
-                    nxt_go, nxt_work = self._start(nxt, seq + 1, failed)
-                if failed is None:
-                    try:
-                        named = re.unpack(header, buf)
-                        ntensors += len(named)
-                        if header.staged:
-                            staged += [(n, t.clone()) for n, t in named]
-                            named = staged if header.is_last else []
-                        if named or header.is_last:
-                            if not began:
-                                loader.begin()
-                                began = True
-                            loader.load(named)
-                        if header.is_last:
-                            re.finish()
-                            loader.finish()
-                    except Exception as e:  # the loader is user/vLLM code: report, don't crash
-                        failed = f"rank {self.rank} failed loading bucket {seq}: {e!r}"
-                        log.exception("loading bucket %d failed", seq)
-                if self._cuda:  # buffer seq%2 may be refilled once the loads issued so far ran
-                    self._free[seq % 2].record(cur)
-                if nxt is None:
-                    break
-                if nxt_go is None:
-                    nxt_go, nxt_work = self._start(nxt, seq + 1, failed)
-                header, seq, go, work = nxt, seq + 1, nxt_go, nxt_work
-            if self.transport.device.type == "cuda":
-                torch.cuda.current_stream(self.transport.device).synchronize()
-            seconds = time.perf_counter() - t0
-            if failed is not None:
-                self._error(seq, failed)
-                raise UpdateFailed(failed)
-            self.channel.send(
-                Ack(PROTOCOL_VERSION, self.rank, header.version, seq + 1, nbytes, ntensors, seconds)
-            )
-        except (UpdateFailed, TimeoutError, RuntimeError, ValueError) as e:
-            if not isinstance(e, UpdateFailed):  # tell a sender that may still be waiting
-                self._error(seq, f"rank {self.rank}: {e}")
-                if t0:  # mid-update: collectives may be out of step with the sender's
-                    self.broken = self.broken or f"update {header.version} died mid-way: {e}"
-            self.state.failures += 1
-            self.state.last_error = str(e)
-            if began:
-                self.state.consistent = False
-                try:
-                    loader.abort()
-                except Exception:
-                    log.exception("loader.abort() failed")
-            error = str(e) if failed is None or failed in str(e) else f"{failed}; then: {e}"
-            return self._summary(ok=False, error=error, seq=seq, nbytes=nbytes)
+            plan, header = self._first(timeout_s or self.cfg.timeout_s)
+            u.version, u.staged, u.t0 = header.version, header.staged, time.perf_counter()
+            with self.transport.armed(self._verdict_s, f"update {u.version}"):
+                self._buckets(plan, header, loader, re, u)
+        except Exception as e:  # noqa: BLE001 - a failed update must never take the engine down
+            if not isinstance(e, (UpdateFailed, TimeoutError)):
+                log.exception("update %d failed on rank %d", u.version, self.rank)
+            return self._failed(e, u, loader)
         st = self.state
-        st.version, st.consistent, st.updates = header.version, True, st.updates + 1
-        st.bytes += nbytes
-        st.last_seconds = seconds
-        return self._summary(ok=True, seq=seq, nbytes=nbytes, tensors=ntensors, seconds=seconds)
+        st.version, st.consistent, st.updates = u.version, True, st.updates + 1
+        st.bytes += u.nbytes
+        st.last_seconds = time.perf_counter() - u.t0
+        return self._summary(ok=True, seq=u.seq, nbytes=u.nbytes, tensors=u.ntensors,
+                             seconds=st.last_seconds)
+
+    def _buckets(self, plan: Plan | None, header: BucketHeader, loader: WeightLoader,
+                 re: Reassembler, u: _Update) -> None:
+        """Every bucket, then the commit round; raises on any failure."""
+        if self._cuda:
+            vllm_stream = torch.cuda.current_stream(self.transport.device)
+            self._load_stream.wait_stream(vllm_stream)  # after whatever vLLM queued before
+            for ev in self._free:
+                ev.record(self._load_stream)
+        self._answer(header, 0, u, plan is not None)
+        go, posted = self._start(header, 0, u)
+        while True:
+            seq = u.seq
+            nxt = nxt_go = nxt_posted = None
+            if not header.is_last:
+                nxt = self._expect(BucketHeader, seq + 1, u, self.cfg.timeout_s)
+                self._answer(nxt, seq + 1, u)
+            if self._cuda:
+                with torch.cuda.stream(self._load_stream):
+                    self._arrived(header, seq, go, posted, u)
+                    self._load(header, seq, loader, re, u)
+                    self._free[seq % 2].record(self._load_stream)
+            else:
+                self._arrived(header, seq, go, posted, u)
+                if nxt is not None:  # CPU loads block the host: start bucket k+1 first
+                    nxt_go, nxt_posted = self._start(nxt, seq + 1, u)
+                self._load(header, seq, loader, re, u)
+            if nxt is None:
+                break
+            if nxt_go is None:
+                nxt_go, nxt_posted = self._start(nxt, seq + 1, u)
+            header, go, posted = nxt, nxt_go, nxt_posted
+            u.seq = seq + 1
+        seal = self._expect(Seal, -1, u, self.cfg.timeout_s)
+        self._settle()
+        self._verify(seal, u)
+        if u.failed is None and u.began:
+            try:
+                with torch.cuda.stream(self._load_stream) if self._cuda else contextlib.nullcontext():
+                    loader.finish()
+                self._settle()
+            except Exception as e:  # noqa: BLE001 - vLLM's post-processing: report it
+                u.failed = f"rank {self.rank} failed finishing the load: {clip(repr(e))}"
+                log.exception("finishing the load failed")
+        if u.failed is not None:
+            self._error(u.seq, u.failed)
+            raise UpdateFailed(u.failed)
+        seconds = time.perf_counter() - u.t0
+        self.channel.send(Ack(PROTOCOL_VERSION, self.rank, u.version, u.seq + 1, u.nbytes,
+                              u.ntensors, seconds, 1), self.cfg.timeout_s)
+        if u.staged:
+            u.exposed = True  # the sender may tell others to load from here on
+        self._commit(1, u)
+        if not u.staged:
+            return
+        try:
+            with torch.cuda.stream(self._load_stream) if self._cuda else contextlib.nullcontext():
+                loader.begin()
+                u.began = True
+                loader.load(u.staged_tensors)
+                u.staged_tensors = []
+                loader.finish()
+            self._settle()
+        except Exception as e:  # noqa: BLE001
+            u.failed = f"rank {self.rank} failed loading the staged update: {clip(repr(e))}"
+            log.exception("loading the staged update failed")
+            self._error(u.seq + 1, u.failed)
+            raise UpdateFailed(u.failed) from None
+        self.channel.send(Ack(PROTOCOL_VERSION, self.rank, u.version, u.seq + 1, u.nbytes,
+                              u.ntensors, time.perf_counter() - u.t0, 2), self.cfg.timeout_s)
+        self._commit(2, u)
+
+    def _failed(self, e: BaseException, u: _Update, loader: WeightLoader) -> dict:
+        """End a failed update the same way on every path; returns the summary.
+
+        The group stays usable when every collective this receiver posted completed; otherwise
+        (a collective that may never complete, or one the sender posted that this receiver
+        refused to join) it is given up: aborted on NCCL, so nothing stays pending.
+        """
+        clean = isinstance(e, UpdateFailed)
+        if not clean:  # tell a sender that may still be waiting
+            self._error(u.seq, f"rank {self.rank}: {clip(str(e))}")
+        if not u.in_step:
+            self._broken = self._broken or f"update {u.version} died mid-way: {clip(str(e))}"
+            self.transport.abort(self._broken)  # NCCL: no collective may stay pending
+        if self._cuda:
+            with torch.cuda.stream(self._load_stream):
+                for w in u.unwaited:
+                    w.wait()
+            try:  # after a clean abort every posted collective completes; else barely wait
+                self.transport.wait_stream(self._load_stream, self.cfg.timeout_s if clean else 1.0)
+            except (TimeoutError, RuntimeError) as err:
+                self._broken = self._broken or f"update {u.version}: {clip(str(err))}"
+        else:
+            for w in u.unwaited:  # gloo: bounded by the group's own timeout
+                try:
+                    w.wait()
+                except RuntimeError as err:
+                    self._broken = self._broken or f"update {u.version}: {clip(str(err))}"
+        u.unwaited = []
+        u.staged_tensors = []
+        self.state.failures += 1
+        self.state.last_error = clip(str(e))
+        if u.began:
+            try:
+                loader.abort()
+            except Exception:  # noqa: BLE001
+                log.exception("loader.abort() failed")
+        if u.exposed:
+            self.state.consistent = False
+        error = str(e) if u.failed is None or u.failed in str(e) else f"{u.failed}; then: {e}"
+        return self._summary(ok=False, error=clip(error), seq=u.seq, nbytes=u.nbytes)
 
     def _summary(self, *, ok: bool, seq: int, nbytes: int, **extra) -> dict:
         out = {

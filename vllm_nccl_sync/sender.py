@@ -5,6 +5,12 @@ tensors gathered one at a time) as buckets to every receiver of every engine at 
 broadcast per bucket feeds them all. Double-buffered: bucket k+1 is planned, announced and packed
 while bucket k is on the wire; a buffer is refilled only after the collective that read it.
 
+The receivers see `[Plan] H0 G0 H1 G1 ... Seal Commit [Commit(2)]`: after the last bucket the
+sender seals the update (bucket count and every bucket's checksum; on CUDA computed on the GPU
+and read once per update) and commits it only when every receiver of every engine acknowledged.
+Every wait is bounded; a failure is answered by `Abort` to every live receiver, and a timeout
+after a collective was posted aborts the NCCL communicator (the client must then be replaced).
+
 The receivers see `H0 G0 H1 G1 ...`. To keep the control round trip off the link's critical path,
 everything that does not need the receivers' answer is done before waiting for it: bucket k+1 is
 announced right after the collective of k is queued, and packed (speculatively, into our own
@@ -23,11 +29,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .channel import SenderChannel
+from .channel import SenderChannel, clip
 from .config import SyncConfig
-from .integrity import checksum
+from .integrity import checksum, checksum_gpu
 from .packing import Bucket, as_bytes, dtype_name, pack, plan_buckets, tensor_nbytes
-from .protocol import PROTOCOL_VERSION, Abort, Ack, Error, Go, Hello, Plan, Ready, TensorSpec
+from .protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Commit,
+    Error,
+    Go,
+    Hello,
+    Plan,
+    Ready,
+    Seal,
+    TensorSpec,
+)
 from .transport import Handle, Transport
 
 log = logging.getLogger(__name__)
@@ -36,9 +54,12 @@ log = logging.getLogger(__name__)
 class PushError(RuntimeError):
     """An update failed; `errors` holds each failing receiver's message by rank."""
 
-    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+    def __init__(self, message: str, errors: dict[int, str] | None = None,
+                 missing: list[int] | None = None) -> None:
         super().__init__(message)
         self.errors = errors or {}
+        self.missing = missing or []
+        """Ranks that said nothing in time (gone, or stuck)."""
 
 
 class UpdateRefused(PushError):
@@ -125,8 +146,24 @@ class PushClient:
         ]
         return self.hellos
 
-    def _gather(self, kind: type, seq: int) -> dict[int, object]:
-        """One message from every receiver for `seq`: all `kind`, or a `PushError` naming who failed."""
+    def _send_all(self, msg) -> None:
+        """Send `msg` to every receiver; a receiver that cannot be reached fails the update."""
+        lost = self.channel.send_all(self.ranks, msg)
+        if lost:
+            raise PushError(f"ranks {lost} cannot be reached (gone?) sending "
+                            f"{type(msg).__name__}", missing=lost)
+
+    def _abort_all(self, version: int, seq: int, reason: str) -> None:
+        """Tell every live receiver that update `version` is abandoned (never raises)."""
+        lost = self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq,
+                                                       clip(reason)))
+        if lost:
+            log.warning("Abort of update %d did not reach ranks %s", version, lost)
+
+    def _gather(self, kind: type, seq: int, version: int, phase: int = 1) -> dict[int, object]:
+        """One message from every receiver for `seq`: all `kind`, or a `PushError` naming who
+        failed (`errors`) or said nothing in time (`missing`). Messages of other updates are
+        skipped."""
         deadline = time.monotonic() + self.cfg.timeout_s
         got: dict[int, object] = {}
         errors: dict[int, str] = {}
@@ -135,30 +172,38 @@ class PushClient:
                 rank, msg = self.channel.recv(deadline)
             except TimeoutError:
                 missing = sorted(set(self.ranks) - set(got) - set(errors))
-                raise PushError(f"no {kind.__name__} for bucket {seq} from ranks {missing}") from None
+                text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
+                raise PushError(f"update {version}: no {kind.__name__} for bucket {seq} from "
+                                f"ranks {missing} within {self.cfg.timeout_s:.1f} s"
+                                + (f"; {text}" if text else ""), errors, missing) from None
             if rank not in self.ranks:
                 log.warning("ignoring %s from rank %d, which is not in this group",
                             type(msg).__name__, rank)
-            elif isinstance(msg, Error):
-                errors[rank] = msg.message
-            elif isinstance(msg, kind) and getattr(msg, "seq", seq) == seq:
+            elif getattr(msg, "version", version) not in (version, -1):
+                log.info("ignoring %s of update %s from rank %d during update %d",
+                         type(msg).__name__, msg.version, rank, version)
+            elif isinstance(msg, Error):  # replaces an earlier answer of that rank
+                errors[rank] = clip(msg.message)
+                got.pop(rank, None)
+            elif (isinstance(msg, kind) and getattr(msg, "seq", seq) == seq
+                  and getattr(msg, "phase", phase) == phase and rank not in errors):
                 got[rank] = msg
             else:
                 log.warning("ignoring stale %s from rank %d while waiting for %s %d",
                             type(msg).__name__, rank, kind.__name__, seq)
         if errors:
             text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
-            raise PushError(f"update failed at bucket {seq}: {text}", errors)
+            raise PushError(f"update {version} failed at bucket {seq}: {text}", errors)
         return got
 
     def _await_ready(self, version: int, seq: int) -> None:
         """Wait until every receiver accepted the (already sent) plan/header `seq`; on a refusal,
         send `Abort` to all and raise."""
         try:
-            self._gather(Ready, seq)
+            self._gather(Ready, seq, version)
         except PushError as e:
-            self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq, str(e)))
-            raise UpdateRefused(str(e), e.errors) from None
+            self._abort_all(version, seq, str(e))
+            raise UpdateRefused(str(e), e.errors, e.missing) from None
 
     def _wire(self, bucket: Bucket, seq: int, works: list[Handle | None]) -> torch.Tensor:
         """The bytes of `bucket` to broadcast: packed into buffer seq%2, or the tensor itself."""
@@ -182,7 +227,7 @@ class PushClient:
         full: bool = False,
         staged: bool = False,
     ) -> PushResult:
-        """Send one complete update; returns once every receiver acknowledged it.
+        """Send one complete update; returns once every receiver of every engine committed it.
 
         A mapping (a `state_dict()`) is announced first as a `Plan` that every receiver checks
         against its model (names, shapes, dtypes; with `full`, that nothing is missing) before
@@ -190,12 +235,22 @@ class PushClient:
         gathering FSDP shards one at a time) is streamed, and each bucket header is checked.
         `dtype` casts floating-point tensors before packing (fp32 master weights to the engine's
         bf16 halves the bytes). Receivers refuse a `version` not newer than the one they hold
-        unless `force`. `staged`: receivers load nothing until every bucket arrived and verified.
-        Raises `PushError` if any side failed; every receiver then ends the update the same way
-        (none is left inside a collective).
+        unless `force`. `staged`: receivers load nothing until every bucket of every receiver
+        arrived and verified. After the last bucket comes the commit round: receivers stamp the
+        version only once all acknowledged. Raises `PushError` if any side failed; every live
+        receiver then ends the update the same way (none is left inside a collective: on a
+        timeout the NCCL communicator is aborted and this client must be replaced).
         """
         if self.transport is None:
             raise RuntimeError("call connect() before push()")
+        if self.transport.broken:
+            raise PushError(f"transfer group is broken ({self.transport.broken}); "
+                            "connect a new PushClient")
+        check = self.cfg.bucket_checksums is not False
+        strict = sorted(r for r, h in self.hellos.items() if h.checksums)
+        if strict and not check:
+            raise PushError(f"ranks {strict} require bucket checksums; this client has "
+                            "bucket_checksums=False")
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype else (lambda t: t)
         plan = None
         if isinstance(named_tensors, Mapping):
@@ -205,60 +260,87 @@ class PushClient:
         else:
             items = ((n, cast(t)) for n, t in named_tensors)
         buckets = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
-        check = self.cfg.bucket_checksums
-        if check is None:
-            check = self.cfg.backend == "gloo"
-        if plan is not None:
-            self.channel.send_all(self.ranks, plan)
-            self._await_ready(version, -1)
+        gpu = self.transport.device.type == "cuda"
         t0 = time.perf_counter()
         works: list[Handle | None] = [None, None]
-        seq, nbytes, ntensors = 0, 0, 0
+        sums: list = []
+        seq, nbytes, ntensors, posted = -1, 0, 0, False
         try:
-            bucket, is_last = next(buckets)
-            header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force, staged)
-            self.channel.send_all(self.ranks, header)
-            wire = self._wire(bucket, 0, works)
-            while True:
-                nxt = None if is_last else next(buckets)  # planned before Ready: off the path
-                digest = checksum(wire) if check and header.length else 0  # while they check
-                self._await_ready(version, seq)
-                self.channel.send_all(self.ranks, Go(PROTOCOL_VERSION, version, seq, digest))
-                # Nothing may fail between Go and queueing the collective it announces.
-                works[seq % 2] = self.transport.broadcast(wire) if header.length else None
-                done = header
-                if nxt is not None:  # announce k+1 at once: receivers check it while k flies
-                    bucket, is_last = nxt
-                    header = bucket.header(
-                        version, seq + 1, is_last, PROTOCOL_VERSION, force, staged
+            with self.transport.armed(self.cfg.timeout_s, f"update {version}"):
+                if plan is not None:
+                    self._send_all(plan)
+                    self._await_ready(version, -1)
+                t0 = time.perf_counter()
+                seq = 0
+                bucket, is_last = next(buckets)
+                header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force, staged)
+                self._send_all(header)
+                wire = self._wire(bucket, 0, works)
+                while True:
+                    nxt = None if is_last else next(buckets)  # planned before Ready: off the path
+                    digest = 0
+                    if check and header.length:  # while the receivers check the header
+                        digest = checksum_gpu(wire) if gpu else checksum(wire)
+                    sums.append(digest)
+                    self._await_ready(version, seq)
+                    self.transport.extend(self.cfg.timeout_s)
+                    self._send_all(Go(PROTOCOL_VERSION, version, seq, 0 if gpu else digest))
+                    # Nothing may fail between Go and queueing the collective it announces.
+                    posted = True
+                    works[seq % 2] = self.transport.broadcast(wire) if header.length else None
+                    done = header
+                    if nxt is not None:  # announce k+1 at once: receivers check it while k flies
+                        bucket, is_last = nxt
+                        header = bucket.header(
+                            version, seq + 1, is_last, PROTOCOL_VERSION, force, staged
+                        )
+                        self._send_all(header)
+                    nbytes += done.length
+                    ntensors += sum(
+                        s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape) for s in done.slots
                     )
-                    self.channel.send_all(self.ranks, header)
-                nbytes += done.length
-                ntensors += sum(
-                    s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape) for s in done.slots
-                )
-                if progress:
-                    progress(seq + 1, nbytes, time.perf_counter() - t0)
-                if nxt is None:
-                    break
-                seq += 1
-                wire = self._wire(bucket, seq, works)  # speculative: unused if it is refused
-            for w in works:
-                if w is not None:
-                    w.wait()
-            if self.transport.device.type == "cuda":
-                torch.cuda.current_stream(self.transport.device).synchronize()
-        except UpdateRefused:
-            raise
-        except Exception as e:  # the tensor source or packing failed: end every receiver's wait
-            self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq, repr(e)))
-            raise PushError(f"update {version} failed at bucket {seq} on the trainer: {e!r}") from e
-        acks = self._gather(Ack, -1)
+                    if progress:
+                        progress(seq + 1, nbytes, time.perf_counter() - t0)
+                    if nxt is None:
+                        break
+                    seq += 1
+                    wire = self._wire(bucket, seq, works)  # speculative: unused if it is refused
+                for w in works:
+                    if w is not None:
+                        w.wait()
+                if gpu:
+                    self.transport.wait_stream(torch.cuda.current_stream(self.transport.device),
+                                               self.cfg.timeout_s)
+                    dev = [d for d in sums if isinstance(d, torch.Tensor)]
+                    values = iter(torch.stack(dev).tolist() if dev else [])
+                    sums = [next(values) if isinstance(d, torch.Tensor) else d for d in sums]
+                self._send_all(Seal(PROTOCOL_VERSION, version, seq + 1, sums))
+                acks = self._commit_round(version, seq + 1, 1)
+                if staged:
+                    self._commit_round(version, seq + 1, 2)
+        except Exception as e:  # a receiver or the tensor source failed: end every wait
+            if not isinstance(e, UpdateRefused):  # (a refusal was already answered by Abort)
+                self._abort_all(version, seq + 1 if posted else seq, str(e))
+            missing = getattr(e, "missing", [])
+            if posted and (missing or not isinstance(e, PushError)):
+                # A collective may be pending that will never complete: give the group up.
+                self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
+            if isinstance(e, PushError):
+                raise
+            raise PushError(f"update {version} failed at bucket {seq} on the trainer: "
+                            f"{clip(repr(e))}") from e
         seconds = time.perf_counter() - t0
-        bad = [a for a in acks.values() if a.version != version]
-        if bad:
-            raise PushError(f"receivers acknowledged versions {[a.version for a in bad]}, not {version}")
         return PushResult(version, seq + 1, nbytes, ntensors, seconds, list(acks.values()))
+
+    def _commit_round(self, version: int, buckets: int, phase: int) -> dict[int, Ack]:
+        """Gather every receiver's `Ack(phase)`, then tell them all to `Commit(phase)`."""
+        acks = self._gather(Ack, -1, version, phase)
+        bad = sorted(r for r, a in acks.items() if a.version != version or a.buckets != buckets)
+        if bad:
+            raise PushError(f"update {version}: ranks {bad} acknowledged another version or "
+                            f"bucket count")
+        self._send_all(Commit(PROTOCOL_VERSION, version, phase))
+        return acks
 
     def close(self) -> None:
         if self.transport is not None:

@@ -3,13 +3,28 @@
 Each transport is its own process group built from its own rendezvous (a `TCPStore` hosted by
 rank 0), so it never touches the default process group that vLLM (or the trainer) already uses.
 Backends are chosen by name: `gloo` (CPU tensors) and `nccl` (CUDA tensors).
+
+Failure isolation. A collective whose peer died never completes. On NCCL such a collective must
+not be left to torch's watchdog, whose default error handling ends the whole process a minute
+after the group's timeout. So the NCCL group is built with the watchdog's error handling off and a
+group timeout far past this package's own, and the transport carries a deadman: while an update is
+`armed`, a thread aborts the communicator (`ncclCommAbort`, which makes the stuck kernels exit) the
+moment the deadline passes, whatever the caller's thread is blocked in. An aborted group is
+`broken` for good; the next join builds a new one. Gloo collectives time out on their own
+(`timeout_s`). On gloo the trainer sends each receiver its bytes point to point, so a receiver can
+post its whole buffer: a sender that sends more than it announced is caught (the bytes past
+`length` change) instead of making gloo abort the process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Protocol
 
@@ -17,6 +32,27 @@ import torch
 import torch.distributed as dist
 
 from .config import SyncConfig
+
+log = logging.getLogger(__name__)
+
+_NCCL_GROUP_TIMEOUT_FACTOR = 4
+"""The NCCL group's own timeout is this many times `timeout_s` (+60 s): the deadman always acts
+first, and torch's watchdog never judges one of our collectives."""
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration (read by ProcessGroupNCCL's constructor)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Handle(Protocol):
@@ -56,6 +92,19 @@ def await_listener(host: str, port: int, timeout_s: float) -> None:
     )
 
 
+class _Works:
+    """Several gloo point-to-point operations as one handle; `wait` is bounded."""
+
+    def __init__(self, works: list, timeout: timedelta) -> None:
+        self._works = works
+        self._timeout = timeout
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait(self._timeout)
+        return True
+
+
 class Transport:
     """A broadcast-only process group made without the default group.
 
@@ -69,6 +118,14 @@ class Transport:
             raise ValueError(f"rank {rank} outside [0, {cfg.world_size})")
         self.backend = cfg.backend
         self.rank = rank
+        self.world_size = cfg.world_size
+        self.pg = None
+        self.broken = ""
+        """Why this group can no longer be used ("" while healthy); a new join rebuilds it."""
+        self._deadline: float | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._what = ""
         if cfg.backend == "nccl":
             self.device = device or torch.device("cuda", torch.cuda.current_device())
         else:
@@ -111,38 +168,147 @@ class Transport:
             self.pg = dist.ProcessGroupGloo(store, rank, cfg.world_size, opts)
         else:
             nccl_opts = dist.ProcessGroupNCCL.Options()
+            self._timeout = timedelta(
+                seconds=cfg.timeout_s * _NCCL_GROUP_TIMEOUT_FACTOR + 60)
             nccl_opts._timeout = self._timeout
             # The collectives become runnable exactly when the previous bucket's pack/load copies
             # do; at equal priority those copies' blocks fill the GPU first and the link idles.
             nccl_opts.is_high_priority_stream = True
-            self.pg = dist.ProcessGroupNCCL(store, rank, cfg.world_size, nccl_opts)
+            # 0 = no async error handling: a failed collective never tears the process down; the
+            # deadman below aborts the communicator instead. No heartbeat monitor for this group.
+            with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
+                      TORCH_NCCL_PROPAGATE_ERROR="0"):
+                self.pg = dist.ProcessGroupNCCL(store, rank, cfg.world_size, nccl_opts)
+            self._deadman = threading.Thread(target=self._watch, name="nccl-sync-deadman",
+                                             daemon=True)
+            self._deadman.start()
             # Build the communicator now, inside the rendezvous timeout, not in the first bucket.
-            with torch.cuda.device(self.device):
+            with self.armed(cfg.timeout_s, "building the NCCL communicator"), \
+                    torch.cuda.device(self.device):
                 self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
-                torch.cuda.current_stream().synchronize()
+                self.wait_stream(torch.cuda.current_stream(), cfg.timeout_s)
             self.bytes_moved = 0  # the warm-up above is not part of any update
             self.collectives = 0
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
-        """Start broadcasting `tensor` (uint8: exactly the bytes to move) from rank `src`."""
+    def _watch(self) -> None:
+        """Deadman thread (NCCL): abort the communicator once an armed deadline has passed."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                what, self._deadline = self._what, None
+            self.abort(f"{what} did not finish within the deadline")
+
+    @contextlib.contextmanager
+    def armed(self, seconds: float, what: str) -> Iterator[None]:
+        """Abort the group if the block (and the collectives it posted) is not done in `seconds`.
+
+        On NCCL the abort comes from another thread, so it also ends a host wait the caller is
+        stuck in (a stream sync behind a collective that will never complete). On gloo each
+        collective has its own timeout and this only records the deadline.
+        """
+        with self._cond:
+            self._deadline, self._what = time.monotonic() + seconds, what
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._deadline = None
+
+    def extend(self, seconds: float) -> None:
+        """Push an armed deadline to `seconds` from now (a new phase of the same update)."""
+        with self._cond:
+            if self._deadline is not None:
+                self._deadline = time.monotonic() + seconds
+                self._cond.notify()
+
+    def wait_stream(self, stream: torch.cuda.Stream, timeout_s: float) -> None:
+        """Wait for everything queued on `stream` so far, polling: never an unbounded host sync.
+
+        Raises `TimeoutError` after `timeout_s` (the group is then aborted) or `RuntimeError` if
+        the group was aborted meanwhile.
+        """
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-5
+        while not ev.query():
+            if self.broken:
+                raise RuntimeError(f"transfer group aborted: {self.broken}")
+            if time.monotonic() > deadline:
+                self.abort(f"GPU work did not finish within {timeout_s:.1f} s")
+                ev.synchronize()  # the abort made the stuck kernels exit
+                raise TimeoutError(f"GPU work did not finish within {timeout_s:.1f} s; "
+                                   "transfer group aborted")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        if self.broken:
+            raise RuntimeError(f"transfer group aborted: {self.broken}")
+
+    def abort(self, reason: str) -> None:
+        """Give the group up: on NCCL abort the communicator (pending collectives end at once).
+
+        Idempotent and safe from any thread; the transport is `broken` afterwards.
+        """
+        first = not self.broken
+        self.broken = self.broken or reason
+        pg = self.pg
+        if not first or pg is None:
+            return
+        log.warning("aborting the %s transfer group (rank %d): %s", self.backend, self.rank, reason)
+        if self.backend == "nccl":
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - the group is given up either way
+                log.exception("aborting the NCCL communicator failed")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, length: int | None = None) -> Handle:
+        """Start broadcasting `tensor` (uint8) from rank `src` to every other rank.
+
+        NCCL: one broadcast collective. Gloo: one point-to-point send from `src` to each rank
+        (gloo's broadcast relays through a tree, and a relay forwards whatever size it posted);
+        a receiver may post more room than announced and gets exactly what was sent.
+        `length`: the bytes announced (by default all of `tensor`), for the byte counters.
+        """
+        if self.broken:
+            raise RuntimeError(f"transfer group is broken ({self.broken}); join again")
         if tensor.dtype != torch.uint8 or tensor.device != self.device:
             raise ValueError(
                 f"broadcast takes uint8 on {self.device}, got {tensor.dtype} on {tensor.device}"
             )
+        self.bytes_moved += tensor.numel() if length is None else length
+        self.collectives += 1
+        if self.backend == "gloo":
+            tag = self.collectives % (1 << 30)
+            if self.rank != src:
+                return _Works([self.pg.recv([tensor], src, tag)], self._timeout)
+            return _Works([self.pg.send([tensor], r, tag) for r in range(self.world_size)
+                           if r != src], self._timeout)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = self._timeout
-        self.bytes_moved += tensor.numel()
-        self.collectives += 1
         return self.pg.broadcast([tensor], opts)
 
     def close(self) -> None:
-        """Drop the group; a broken group (peer died, timeout) must be closed and rebuilt."""
-        if self.pg is not None and self.backend == "nccl":
+        """Drop the group (a broken one included: the next join builds a new one)."""
+        with self._cond:
+            self._closed = True
+            self._deadline = None
+            self._cond.notify()
+        if self.pg is not None and self.backend == "nccl" and not self.broken:
+            self.broken = "closed"
             try:
-                self.pg.abort()
-            except (AttributeError, RuntimeError):
-                pass
+                self.pg.abort()  # no collective is pending on a healthy group: just frees it
+            except Exception:  # noqa: BLE001
+                log.exception("freeing the NCCL communicator failed")
         self.pg = None
         self._store = None

@@ -1,0 +1,618 @@
+"""Hostile peers (protocol 2): a peer that breaks the protocol is refused with an error naming what
+it did, within bounds (no hang), and nothing it sent is ever loaded silently.
+
+Real processes, real ZeroMQ sockets, real gloo groups (CPU):
+
+1-4. The test process plays rank 0 by hand (a real `SenderChannel` and `Transport`) against a
+     `Receiver` in a child process, loading into a torch module through a `ModuleLoader`: an
+     oversized control frame mid-update, a broadcast shorter and one longer than its header's
+     length, a `Go` without the checksum the receiver requires.
+5.   A real `PushClient` and three receiver processes; rank 1 is SIGKILLed mid-update. And a
+     plain update to three receivers (gloo relays bytes through a tree), buckets shorter than
+     the capacity.
+6.   A real vLLM CPU engine with tensor parallelism 2, one of whose workers fails in its last
+     step (`tests/fault_ext.py`).
+
+What a receiver holds is checked by content (digests of the module's parameters and the loader's
+calls), not only by flags. No test waits for time to pass: state is observed, and every deadline
+is an upper bound whose expiry fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import os
+import re
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+from tests.procs import run_procs
+from vllm_nccl_sync.channel import MAX_WIRE_BYTES, SenderChannel
+from vllm_nccl_sync.config import SyncConfig
+from vllm_nccl_sync.integrity import checksum
+from vllm_nccl_sync.packing import pack, plan_buckets
+from vllm_nccl_sync.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Commit,
+    Error,
+    Go,
+    Hello,
+    Ready,
+    Seal,
+)
+from vllm_nccl_sync.transport import Transport
+
+P = PROTOCOL_VERSION
+SECRET = "0123456789abcdef" * 4
+TIMEOUT = 15.0
+"""Every wait of the transfer (the config's `timeout_s`); also bounds the group's rendezvous, so
+it leaves room for processes that start unevenly on a loaded machine."""
+DEADLINE = 240.0
+"""Upper bound of a whole multi-process scenario (process start-up included)."""
+CAP = 2048
+SHAPES = {"w": [200], "v": [400]}
+"""Bucket 0: `w`, 800 bytes; bucket 1: `v`, 1600 bytes (less than CAP minus the canary)."""
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def weights(seed: int, shapes: dict[str, list[int]] = SHAPES) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                          .tobytes()).hexdigest()
+
+
+def digests(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: digest(t) for n, t in named.items()}
+
+
+def make_cfg(world_size: int = 2, **kw) -> dict:
+    return dict(control_port=free_port(), group_port=free_port(), world_size=world_size,
+                bucket_bytes=CAP, timeout_s=TIMEOUT, secret=SECRET, **kw)
+
+
+def receiver_proc(cfg: dict, rank: int, shapes: dict, updates: int, done=None,
+                  require_checksums: bool = True) -> list[dict]:
+    """A receiver loading into a torch module that starts with `weights(0)`; per update: its
+    summary, how long `receive()` took, the loader's calls, the module's digests, its state."""
+    from vllm_nccl_sync.loaders import ModuleLoader
+    from vllm_nccl_sync.receiver import Receiver
+
+    model = torch.nn.Module()
+    for n, t in weights(0, shapes).items():
+        model.register_parameter(n, torch.nn.Parameter(t))
+
+    class ProbeLoader(ModuleLoader):
+        def begin(self):
+            calls.append("begin")
+            super().begin()
+
+        def load(self, named):
+            calls.append(("load", sorted(n for n, _ in named)))
+            return super().load(named)
+
+        def finish(self):
+            calls.append("finish")
+
+        def abort(self):
+            calls.append("abort")
+
+    loader = ProbeLoader(model)
+    rx = Receiver(SyncConfig(**cfg), rank, require_checksums=require_checksums)
+    out = []
+    try:
+        for _ in range(updates):
+            calls: list = []
+            t0 = time.monotonic()
+            summary = rx.receive(loader, timeout_s=3 * TIMEOUT)  # the trainer starts at once
+            out.append({"summary": summary, "seconds": time.monotonic() - t0, "calls": calls,
+                        "digests": digests(dict(model.named_parameters())),
+                        "state": {"version": rx.state.version,
+                                  "consistent": rx.state.consistent}})
+    finally:
+        if done is not None:
+            done.set()
+    rx.close()
+    return out
+
+
+@contextlib.contextmanager
+def in_background(calls, allow_killed=frozenset()):
+    """`run_procs(calls)` in a thread (the test meanwhile plays the trainer); yields its future."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        yield pool.submit(run_procs, calls, DEADLINE, allow_killed)
+    finally:
+        pool.shutdown(wait=True)  # bounded: run_procs kills what outlives its deadline
+
+
+class HandTrainer:
+    """The test as rank 0: a real `SenderChannel` and a real gloo `Transport`, driving the
+    protocol by hand so that it can break it on purpose."""
+
+    def __init__(self, cfg: dict, procs: Future) -> None:
+        self.cfg = SyncConfig(**cfg)
+        self.procs = procs
+        self.ch = SenderChannel(self.cfg.host, self.cfg.control_port, self.cfg.secret_bytes)
+        self.tx: Transport | None = None
+        self.buf = torch.zeros(CAP, dtype=torch.uint8)
+
+    def recv(self, timeout_s: float = 3 * TIMEOUT):
+        """The next message from rank 1 (fails fast if the receiver process ended)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                rank, msg = self.ch.recv(min(deadline, time.monotonic() + 0.5))
+            except TimeoutError:
+                if self.procs.done():
+                    self.procs.result()  # raises the remote traceback
+                    pytest.fail("the receiver process ended while the trainer waited for it")
+                if time.monotonic() > deadline:
+                    raise
+                continue
+            assert rank == 1, (rank, msg)
+            return msg
+
+    def join(self) -> None:
+        assert isinstance(self.recv(DEADLINE / 2), Hello)
+        self.tx = Transport(self.cfg, 0)  # the receiver joins the group right after its Hello
+
+    def header(self, version: int, bucket, seq: int, is_last: bool, staged: bool):
+        """Announce a bucket; the receiver's answer must be `Ready`."""
+        self.ch.send(1, bucket.header(version, seq, is_last, P, staged=staged))
+        got = self.recv()
+        assert got == Ready(P, 1, seq, version), got
+
+    def go(self, version: int, seq: int, digest_: int, wire: torch.Tensor) -> None:
+        self.ch.send(1, Go(P, version, seq, digest_))
+        self.tx.broadcast(wire).wait()
+
+    def error(self, version: int) -> str:
+        """The receiver's `Error` for `version` (what a real trainer would hear)."""
+        got = self.recv()
+        assert isinstance(got, Error) and got.version == version, got
+        return got.message
+
+    def good_update(self, version: int, named: dict[str, torch.Tensor]) -> list[Ack]:
+        """A correct in-place update, sealed and committed."""
+        buckets = list(plan_buckets(named.items(), CAP))
+        sums = []
+        for k, b in enumerate(buckets):
+            self.header(version, b, k, k == len(buckets) - 1, False)
+            wire = pack(b, self.buf)
+            sums.append(checksum(wire))
+            self.go(version, k, sums[-1], wire)
+        self.ch.send(1, Seal(P, version, len(buckets), sums))
+        ack = self.recv()
+        assert isinstance(ack, Ack) and ack.version == version and ack.phase == 1, ack
+        self.ch.send(1, Commit(P, version, 1))
+        return [ack]
+
+    def close(self) -> None:
+        if self.tx is not None:
+            self.tx.close()
+        self.ch.close()
+
+
+def unchanged(upd: dict, version: int, consistent: bool) -> None:
+    """A refused update: ok False, nothing loaded, the module as it was, version not stamped."""
+    s = upd["summary"]
+    assert not s["ok"], s
+    assert upd["calls"] == [], upd["calls"]  # the loader never saw a byte of it
+    assert upd["digests"] == digests(weights(0)), "the module changed"
+    assert s["version"] == upd["state"]["version"] == version, s
+    assert s["consistent"] == upd["state"]["consistent"] == consistent, s
+
+
+def loaded(upd: dict, version: int, seed: int) -> None:
+    s = upd["summary"]
+    assert s["ok"] and s["version"] == version and s["consistent"], s
+    assert upd["digests"] == digests(weights(seed))
+
+
+# ---------------------------------------------------------------- 1. oversized control frame
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("size, staged", [
+    (MAX_FRAME_BYTES + 1, False),  # reaches the channel, which drops it: the wait goes on
+    (MAX_WIRE_BYTES + 1, True),  # over ZeroMQ's MAXMSGSIZE: libzmq drops the connection for good
+], ids=["over-frame-limit-in-place", "over-wire-limit-staged"])
+def test_oversized_control_frame_mid_update(size, staged):
+    """Where Go(1) belongs, the trainer sends one frame over the limit: `receive()` ends (ok
+    False) within its bounds naming it, never blocked on reporting its Error; the module is
+    unchanged (staged) or reported inconsistent (in place)."""
+    cfg = make_cfg()
+    updates = 2 if size <= MAX_WIRE_BYTES else 1  # a dropped connection stays dropped
+    with in_background([(receiver_proc, (cfg, 1, SHAPES, updates))]) as procs:
+        tr = HandTrainer(cfg, procs)
+        try:
+            tr.join()
+            w = weights(1)
+            b0, b1 = plan_buckets(w.items(), CAP)
+            tr.header(1, b0, 0, False, staged)
+            wire = pack(b0, tr.buf)
+            tr.go(1, 0, checksum(wire), wire)
+            tr.header(1, b1, 1, True, staged)
+            # Where Go(1) belongs: one frame over the limit (MAC'd, counted: only its size is bad).
+            tr.ch._send_payload(1, b"\x00" * size)
+            if updates == 2:
+                text = tr.error(1)  # the connection lives: the trainer hears why
+                assert re.search(r"no control message .* \(1 oversized frame", text), text
+                tr.ch.send(1, Abort(P, 1, 1, "the test's trainer gives update 1 up"))
+                tr.good_update(2, weights(2))
+            results = procs.result(timeout=DEADLINE)[0]
+        finally:
+            tr.close()
+    first = results[0]
+    s = first["summary"]
+    # Bounded: every wait is at most TIMEOUT, the report of the error at most 5 s more.
+    assert first["seconds"] < 2 * TIMEOUT + 10, first["seconds"]
+    if size <= MAX_WIRE_BYTES:
+        assert re.search(r"no control message from the sender within .*1 oversized frame\(s\) "
+                         r"dropped meanwhile, last oversized from", s["error"]), s
+    else:
+        assert re.search(r"no control message from the sender within .*: the connection to "
+                         rf"the trainer was dropped \(a control frame over the {MAX_WIRE_BYTES}"
+                         r"-byte limit", s["error"]), s
+    assert not s["ok"] and s["version"] == -1, s
+    assert not any(isinstance(c, tuple) and "v" in c[1] for c in first["calls"])  # no Go(1)
+    if staged:  # nothing was loaded anywhere: the model is the old one and says so
+        unchanged(first, -1, consistent=True)
+    else:  # bucket 0 may have been loaded somewhere: inconsistent (and never a third content)
+        assert not s["consistent"] and not first["state"]["consistent"], s
+        assert first["digests"]["v"] == digests(weights(0))["v"]
+        assert first["digests"]["w"] in (digests(weights(0))["w"], digests(weights(1))["w"])
+    if updates == 2:  # the receiver and its group go on working
+        loaded(results[1], 2, seed=2)
+
+
+# ---------------------------------------------------------------- 2-4. broken buckets
+
+def _hostile_bucket(tr: HandTrainer, version: int, staged: bool, case: str) -> None:
+    """One single-bucket update of `w` (800 bytes) that breaks the protocol as `case` says."""
+    [b] = plan_buckets([("w", weights(version)["w"])], CAP)
+    assert b.length == 800
+    tr.header(version, b, 0, True, staged)
+    wire = pack(b, tr.buf)
+    real = checksum(wire)
+    if case == "short":  # announce 800, broadcast 64
+        tr.go(version, 0, real, tr.buf[:64])
+    elif case == "long":  # announce 800, broadcast 1600 (< CAP): the first 800 bytes are right
+        tr.buf[800:1600].copy_(torch.randint(0, 256, (800,), dtype=torch.uint8))
+        tr.go(version, 0, real, tr.buf[:1600])
+    elif case == "no-checksum":
+        tr.go(version, 0, 0, wire)
+    else:
+        raise ValueError(case)
+    tr.ch.send(1, Seal(P, version, 1, [real]))  # a seal that would vouch for the right bytes
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case, match", [
+    ("short", r"rank 1: bucket 0 arrived corrupted or short \(checksum 0x[0-9a-f]+ != sender's "
+              r"0x[0-9a-f]+\); not loaded"),
+    ("long", r"rank 1: bucket 0 broadcast more bytes than its header's length 800; not loaded"),
+    ("no-checksum", r"rank 1: Go for bucket 0 carries no checksum, and this receiver requires "
+                    r"one .*; not loaded"),
+])
+def test_broken_bucket_is_refused_and_never_loaded(case, match):
+    """Staged, then in place, the same broken bucket; then a good update over the same group
+    (the receiver process survived, and the group is still in step)."""
+    cfg = make_cfg()
+    with in_background([(receiver_proc, (cfg, 1, SHAPES, 3))]) as procs:
+        tr = HandTrainer(cfg, procs)
+        try:
+            tr.join()
+            heard = []
+            for version, staged in ((1, True), (2, False)):
+                _hostile_bucket(tr, version, staged, case)
+                heard.append(tr.error(version))
+                tr.ch.send(1, Abort(P, version, 1, "the test's trainer gives the update up"))
+            tr.good_update(3, weights(3))
+            results = procs.result(timeout=DEADLINE)[0]
+        finally:
+            tr.close()
+    for text in heard:  # the trainer hears the reason too
+        assert re.search(match, text), text
+    staged_upd, in_place, good = results
+    for upd in (staged_upd, in_place):
+        assert re.search(match, upd["summary"]["error"]), upd["summary"]
+        assert upd["seconds"] < 2 * TIMEOUT, upd["seconds"]
+    unchanged(staged_upd, -1, consistent=True)  # staged: no worker loads before the commit
+    unchanged(in_place, -1, consistent=False)  # in place: another worker might have loaded
+    loaded(good, 3, seed=3)
+
+
+# ---------------------------------------------------------------- 5. a dead rank below live ones
+
+SHAPES5 = {f"p{i}": [512] for i in range(4)}
+"""Four full buckets of CAP bytes (no room for a canary: see `test_three_receivers...` for
+buckets shorter than the capacity)."""
+
+
+def push_proc(cfg: dict, shapes: dict, staged: bool, done: list) -> dict:
+    """The real trainer: one push; reports how it failed. Keeps its sockets open until the live
+    receivers are done (closing at once could drop a queued Abort: LINGER is 0)."""
+    from vllm_nccl_sync import PushClient
+    from vllm_nccl_sync.sender import PushError
+
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    t0 = time.monotonic()
+    try:
+        res = client.push(weights(1, shapes), version=1, staged=staged)
+        out = {"raised": None, "acks": sorted(a.rank for a in res.acks)}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out = {"raised": f"{type(e).__module__}.{type(e).__name__}",
+               "push_error": isinstance(e, PushError), "message": str(e),
+               "missing": getattr(e, "missing", None), "errors": getattr(e, "errors", None)}
+    out["seconds"] = time.monotonic() - t0
+    for ev in done:
+        ev.wait(DEADLINE / 2)
+    client.close()
+    return out
+
+
+def dying_receiver(cfg: dict, rank: int, where: str) -> None:
+    """A receiver that SIGKILLs itself as it posts its second broadcast (`where="broadcast"`) or
+    as it checks the sender's Seal, every collective done (`where="seal"`)."""
+    from vllm_nccl_sync.loaders import ModuleLoader
+    from vllm_nccl_sync.receiver import Receiver
+
+    def die(*a, **kw):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "broadcast":
+        real, calls = Transport.broadcast, []
+
+        def broadcast_then_die(self, tensor, src=0, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                die()
+            return real(self, tensor, src, **kw)
+
+        Transport.broadcast = broadcast_then_die
+    else:
+        Receiver._verify = die
+    module = torch.nn.Module()
+    for n, t in weights(0, SHAPES5).items():
+        module.register_parameter(n, torch.nn.Parameter(t))
+    Receiver(SyncConfig(**cfg), rank).receive(ModuleLoader(module), timeout_s=3 * TIMEOUT)
+    raise AssertionError(f"rank {rank} should have died at its {where}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+@pytest.mark.parametrize("where", ["broadcast", "seal"])
+def test_dead_rank_below_live_ones(where, staged):
+    """Trainer + 3 receivers; rank 1 is SIGKILLed mid-update. Ranks 2 and 3 end their update
+    (ok False) within bounds, the trainer raises a `PushError` naming rank 1, and no live rank
+    holds anything it does not report."""
+    import multiprocessing as mp
+
+    cfg = make_cfg(world_size=4)
+    assert all(b.length == CAP for b in plan_buckets(weights(1, SHAPES5).items(), CAP))
+    ctx = mp.get_context("spawn")
+    done = [ctx.Event(), ctx.Event()]
+    trainer, dead, *live = run_procs(
+        [(push_proc, (cfg, SHAPES5, staged, done)), (dying_receiver, (cfg, 1, where))]
+        + [(receiver_proc, (cfg, r, SHAPES5, 1, done[r - 2])) for r in (2, 3)],
+        DEADLINE, allow_killed={1},
+    )
+    assert dead is None  # rank 1 was killed, as planned
+    # The trainer: a PushError (never a raw ZeroMQ or gloo error) naming rank 1.
+    assert trainer["raised"] and trainer["push_error"], trainer
+    assert 1 in (trainer["missing"] or []) or 1 in (trainer["errors"] or {}), trainer
+    assert re.search(r"\branks? \[?1\b", trainer["message"]), trainer
+    assert trainer["seconds"] < 3 * TIMEOUT, trainer
+    old, new = digests(weights(0, SHAPES5)), digests(weights(1, SHAPES5))
+    for rank, [upd] in zip((2, 3), live, strict=True):
+        s = upd["summary"]
+        assert not s["ok"] and s["version"] == -1, (rank, s)
+        assert upd["seconds"] < 3 * TIMEOUT, (rank, upd["seconds"])
+        assert "more bytes" not in s["error"], (rank, s)  # nobody broadcast more than announced
+        heard_abort = re.search(r"sender aborted update 1 (at bucket \d+|in the commit round)",
+                                s["error"])
+        # gloo's broadcast is a binomial tree: rank 3 is fed by rank 1, so a collective that rank
+        # 1 died in fails on rank 3 (its relay is gone) before any Abort can come. Rank 2 is fed
+        # by the trainer, and after the last collective nobody depends on rank 1: they must hear
+        # the Abort although the trainer cannot reach rank 1 any more.
+        if rank == 2 or where == "seal":
+            assert heard_abort, (rank, s)
+        else:
+            assert heard_abort or re.search(r"Connection (reset|closed) by peer", s["error"]), s
+        if staged:  # nothing loaded before the commit: old weights, and consistent
+            assert upd["calls"] == [] and upd["digests"] == old, (rank, upd["calls"])
+            assert s["consistent"] and upd["state"]["consistent"], (rank, s)
+        else:  # buckets were loaded in place: a mix (or all new), reported as such
+            assert not s["consistent"] and not upd["state"]["consistent"], (rank, s)
+            assert all(upd["digests"][n] in (old[n], new[n]) for n in old), rank
+            if where == "seal":
+                assert upd["digests"] == new, rank  # all arrived and loaded; not committed
+            else:
+                assert upd["digests"]["p3"] == old["p3"], rank  # its Go never came
+
+
+@pytest.mark.multiproc
+def test_three_receivers_take_buckets_shorter_than_the_capacity():
+    """A plain good update, trainer + 3 receivers, with buckets shorter than the capacity (where
+    gloo receivers post their whole buffer behind a canary). gloo's broadcast is a tree: rank 3
+    gets its bytes from rank 1, which forwards the whole buffer it posted."""
+    shapes = {"w": [200], "v": [400], "u": [100]}
+    cfg = make_cfg(world_size=4)
+    assert any(b.length < CAP for b in plan_buckets(weights(1, shapes).items(), CAP))
+    trainer, *receivers = run_procs(
+        [(push_proc, (cfg, shapes, False, []))]
+        + [(receiver_proc, (cfg, r, shapes, 1)) for r in (1, 2, 3)], DEADLINE)
+    errors = {r: upd["summary"].get("error") for r, [upd] in zip((1, 2, 3), receivers)
+              if not upd["summary"]["ok"]}
+    assert not errors and trainer["raised"] is None, (errors, trainer)
+    assert trainer["acks"] == [1, 2, 3]
+    for [upd] in receivers:
+        assert upd["digests"] == digests(weights(1, shapes))
+
+
+# ---------------------------------------------------------------- 6. one vLLM worker fails
+
+MAX_TOKENS = 6
+
+
+def _generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_nccl_sync.testing import PROMPTS
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _hf(seed: int) -> list[list[int]]:
+    from vllm_nccl_sync.testing import PROMPTS, build_model, hf_greedy
+
+    return hf_greedy(build_model("qwen2", seed), PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """A vLLM CPU engine with tensor parallelism 2 and the fault extension, joined to a
+    `WeightSync`."""
+    from vllm import LLM
+
+    from vllm_nccl_sync.engines import LLMHandle
+    from vllm_nccl_sync.sync import WeightSync
+    from vllm_nccl_sync.testing import engine_kwargs, make_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        path = make_model(str(tmp_path_factory.mktemp("hostile")), "qwen2", seed=1)
+        llm = LLM(model=path, worker_extension_cls="tests.fault_ext.FaultExt",
+                  **engine_kwargs(tensor_parallel_size=2))
+        sync = WeightSync([LLMHandle(llm)], bucket_bytes=256 * 1024, timeout_s=60)
+        try:
+            [workers] = sync.connect()
+            assert sorted((w["rank"], w["tp_rank"]) for w in workers) == [(1, 0), (2, 1)]
+            yield llm, sync
+        finally:
+            sync.close()
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _update(sync, version: int, *, staged: bool = False):
+    """`sync.update(weights of seed `version`)`; staged through the same steps by hand where
+    `WeightSync.update` has no `staged` parameter."""
+    from vllm_nccl_sync.sender import PushError
+    from vllm_nccl_sync.testing import build_model
+
+    sd = build_model("qwen2", version).state_dict()
+    if not staged:
+        return sync.update(sd, version)
+    if "staged" in inspect.signature(sync.update).parameters:
+        return sync.update(sd, version, staged=True)
+    [engine] = sync.engines
+    fut = sync._pool.submit(engine.call, "nccl_sync_receive", sync.cfg.timeout_s,
+                            timeout=sync.cfg.timeout_s * 3)
+    error = result = None
+    try:
+        result = sync.client.push(sd, version, staged=True)
+    except PushError as e:
+        error = e
+    finally:
+        summaries = fut.result(timeout=sync.cfg.timeout_s * 3)
+        engine.resume()  # the prefix cache holds KV of the old weights
+    failed = [s for s in summaries if not s.get("ok")]
+    if error is not None or failed:
+        detail = "; ".join(f"rank {s.get('rank')}: {s.get('error')}" for s in failed)
+        raise PushError(f"update {version} failed: {error or ''} {detail}".strip())
+    return result
+
+
+def _states(sync) -> list[dict]:
+    [workers] = sync.state()
+    return sorted(workers, key=lambda w: w["rank"])
+
+
+def _arm(llm, where: str) -> None:
+    got = sorted((r["tp_rank"], r["armed"]) for r in llm.collective_rpc("nccl_test_arm",
+                                                                         args=(where,)))
+    assert got == [(0, ""), (1, where)], got
+
+
+def _good(llm, sync, version: int, *, staged: bool = False) -> list[list[int]]:
+    _arm(llm, "")
+    _update(sync, version, staged=staged)
+    states = _states(sync)
+    assert [(w["version"], w["consistent"]) for w in states] == [(version, True)] * 2, states
+    want = _hf(version)
+    assert _generate(llm) == want
+    return want
+
+
+def _fails(llm, sync, version: int, where: str, *, staged: bool) -> str:
+    from vllm_nccl_sync.sender import PushError
+    from tests.fault_ext import INJECTED
+
+    _arm(llm, where)
+    with pytest.raises(PushError) as e:
+        _update(sync, version, staged=staged)
+    _arm(llm, "")
+    text = str(e.value)
+    assert INJECTED in text and re.search(r"\brank 2\b", text), text  # tp rank 1 = rank 2
+    return text
+
+
+def _never_mixed_and_consistent(states: list[dict]) -> None:
+    if any(w["consistent"] for w in states):  # a consistent worker's peers hold its version
+        assert all(w["consistent"] for w in states), states
+        assert len({w["version"] for w in states}) == 1, states
+
+
+@pytest.mark.vllm
+def test_tp2_one_worker_fails_in_place(tp2):
+    """Worker 1's `finish()` fails after the last bucket: both workers report inconsistent (worker
+    0 loaded everything), the version is not stamped; a good update restores both."""
+    llm, sync = tp2
+    before = _states(sync)
+    _fails(llm, sync, 7, "finish", staged=False)
+    states = _states(sync)
+    assert [w["version"] for w in states] == [w["version"] for w in before], states
+    assert [w["consistent"] for w in states] == [False, False], states
+    assert all(w["failures"] == b["failures"] + 1 for w, b in zip(states, before)), states
+    _never_mixed_and_consistent(states)
+    assert len(_generate(llm)) == 5  # still serving
+    _good(llm, sync, 8)
+
+
+@pytest.mark.vllm
+def test_tp2_one_worker_fails_staged(tp2):
+    """Staged: worker 1 failing before the commit (its check of the seal) leaves both workers on
+    the old weights, consistent; worker 1 failing in its staged load (after worker 0 loaded)
+    leaves both inconsistent. The engine serves throughout; a good update restores it."""
+    llm, sync = tp2
+    want = _good(llm, sync, 10, staged=True)
+    assert _hf(11) != want  # else "the output did not change" would prove nothing
+    _fails(llm, sync, 11, "verify", staged=True)
+    states = _states(sync)
+    assert [(w["version"], w["consistent"]) for w in states] == [(10, True)] * 2, states
+    assert _generate(llm) == want  # nothing of update 11 reached either worker
+    _fails(llm, sync, 12, "load", staged=True)
+    states = _states(sync)
+    assert [(w["version"], w["consistent"]) for w in states] == [(10, False)] * 2, states
+    _never_mixed_and_consistent(states)
+    assert len(_generate(llm)) == 5  # still serving (a mix: no output is promised)
+    _good(llm, sync, 13, staged=True)
