@@ -165,6 +165,7 @@ class PushClient:
         failed (`errors`) or said nothing in time (`missing`). Messages of other updates are
         skipped."""
         deadline = time.monotonic() + self.cfg.timeout_s
+        self.transport.extend(2 * self.cfg.timeout_s)  # the deadman never beats this wait
         got: dict[int, object] = {}
         errors: dict[int, str] = {}
         while len(got) + len(errors) < len(self.ranks):
