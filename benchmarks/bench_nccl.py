@@ -93,10 +93,12 @@ class FlatModel:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def named_parameters(self):
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
         return iter(self.tensors.items())
 
-    def named_buffers(self):
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
         return iter(())
 
 
@@ -296,8 +298,10 @@ def worker(role: int, args: dict, ports: dict) -> dict:
 
                 # (c) per tensor, back to back, straight into the parameter ------------------
                 def per_tensor() -> None:
-                    for _, t in items:
-                        tr.broadcast(as_bytes(t))
+                    works = [tr.broadcast(as_bytes(t)) for _, t in items]
+                    if not gpu:  # gloo: point-to-point sends/recvs, each completes on its wait
+                        for w in works:  # (NCCL: the stream orders `confirm` after them)
+                            w.wait()
                     confirm(tr)
 
                 times = timed(tr, per_tensor, reps, scramble, verify_as("per_tensor"))
@@ -355,6 +359,10 @@ def worker(role: int, args: dict, ports: dict) -> dict:
                             n = bucket if full else b.length
                             works[k % 2] = t.broadcast(bufs[k % 2][:n])
                             wire += n
+                        if not gpu:  # gloo: settle the last sends (NCCL orders `confirm` after)
+                            for w in works:
+                                if w is not None:
+                                    w.wait()
                     else:
                         re = Reassembler()
                         for ev in free:
@@ -487,8 +495,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8,16", help=f"model sizes in GB, from {list(PRESETS)}")
     ap.add_argument("--buckets-mib", default="256,64,512,1024",
                     help="bucket sizes; the first is the default used for the baselines")
-    ap.add_argument("--sweep-min-gb", type=int, default=1,
-                    help="sweep every bucket size for models of at least this size")
+    ap.add_argument("--sweep-min-gb", type=int, default=None,
+                    help="sweep every bucket size for models of at least this size "
+                         "(default 1; 0 with --cpu-smoke, so the smoke sweeps too)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
     ap.add_argument("--deadline", type=float, default=540.0)
@@ -501,7 +510,8 @@ def main() -> None:
 
     args = {"sizes": [int(s) for s in a.sizes.split(",")],
             "buckets": [int(b) * MiB for b in a.buckets_mib.split(",")],
-            "sweep_min_gb": a.sweep_min_gb, "reps": a.reps,
+            "sweep_min_gb": (a.sweep_min_gb if a.sweep_min_gb is not None
+                             else 0 if a.cpu_smoke else 1), "reps": a.reps,
             "backend": "gloo" if a.cpu_smoke else "nccl"}
     ports = {f"{s}:{b}": [free_port(), free_port(), free_port(), free_port()]
              for s in args["sizes"] for b in args["buckets"]}
@@ -528,6 +538,12 @@ def main() -> None:
             json.dump(report, f, indent=1)
     if "NO" in report["exact"].values():
         sys.exit("a mode did not deliver bit-identical tensors")
+    unchecked = [f"{r['size']}:{r['mode']}@{r['bucket'] // MiB}MiB" for r in report["runs"]
+                 if r["mode"] != "raw" and report["exact"].get(
+                     f"{r['size']}:" + (f"e2e@{r['bucket'] // MiB}MiB" if r["mode"] == "e2e"
+                                        else r["mode"])) != "yes"]
+    if unchecked:
+        sys.exit(f"modes without a bit-exact check: {unchecked}")
 
 
 if __name__ == "__main__":

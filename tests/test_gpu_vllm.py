@@ -1,4 +1,4 @@
-"""GPU: a real vLLM engine on GPU 1, fed over NCCL by a trainer process on GPU 0 (issue 7).
+"""GPU: a real vLLM engine on GPU 1, fed over NCCL by a trainer process on GPU 0.
 
 Each test starts two processes: the engine (`CUDA_VISIBLE_DEVICES=1`, vLLM's default
 torch.compile and CUDA graphs, worker extension `ProbeExt` = `vllm_nccl_sync.Ext` plus two probes)

@@ -104,3 +104,54 @@ def test_reassembler_rejects_out_of_order_and_incomplete():
     re2.unpack(h0, buf)
     with pytest.raises(ValueError, match="incomplete tensors: big"):
         re2.finish()
+
+
+def test_stream_packer_matches_the_plan_and_holds_one_tensor():
+    """`StreamPacker` lays buckets out exactly as `plan_buckets` + `pack` do, and never keeps a
+    source tensor alive once its bytes are copied: when the next one is pulled, at most the one
+    being cut (a chunked tensor spanning buckets) is still referenced."""
+    import gc
+    import weakref
+
+    from vllm_nccl_sync.packing import StreamPacker
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7,), (300,), (5, 40), (0,), (1000,), (3,), (64, 64), (2,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float32, torch.uint8,
+              torch.float16, torch.float32, torch.bool]
+    specs = list(zip(shapes, dtypes, strict=True))
+    cap = 2048
+
+    def make(i):
+        shape, dt = specs[i]
+        return (torch.randn(shape, generator=g) * 10).to(dt)
+
+    ref = [(f"t{i}", make(i)) for i in range(len(specs))]
+    want = []
+    buf = torch.zeros(cap, dtype=torch.uint8)
+    for b in plan_buckets(ref, cap):
+        buf.zero_()  # padding between slots: zeros on both sides
+        want.append((b.slots, pack(b, buf).clone()))
+    alive: list[weakref.ref] = []
+    peak = [0]
+
+    def stream():
+        for name, t in ref:
+            gc.collect()
+            peak[0] = max(peak[0], sum(r() is not None for r in alive))
+            t = t.clone()  # a fresh tensor, as a gather would make
+            alive.append(weakref.ref(t))
+            yield name, t
+            del t
+
+    packer = StreamPacker(stream(), cap)
+    got, last = [], False
+    while not last:
+        out = torch.zeros(cap, dtype=torch.uint8)
+        slots, last = packer.fill(out)
+        length = slots[-1].offset + slots[-1].nbytes if slots else 0
+        got.append((slots, out[:length].clone()))
+    got = [x for x in got if x[0]]  # a trailing empty last bucket is allowed
+    assert [s for s, _ in got] == [s for s, _ in want]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+    assert peak[0] <= 1, peak

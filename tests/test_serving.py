@@ -1,4 +1,4 @@
-"""Live hot-swap while serving (issue 4): AsyncLLM in-process and a real `vllm serve` process.
+"""Live hot-swap while serving: AsyncLLM in-process and a real `vllm serve` process.
 
 Requests are in flight while the update runs; each pause mode is checked for what it promises:
 `wait` and `keep` lose no request, `abort` reports the requests it aborted as aborted. After each

@@ -1,4 +1,4 @@
-"""Real vLLM CPU engine, real trainer process: the whole product, end to end (issue 2).
+"""Real vLLM CPU engine, real trainer process: the whole product, end to end.
 
 The engine starts from weights W1 (seed 1). A separate trainer process holds a transformers
 model of the same config drawn with seed 2 (every layer matters: see `random_weights`) and pushes

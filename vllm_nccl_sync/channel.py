@@ -594,12 +594,14 @@ class ReceiverChannel:
                 f"{timeout_s:.1f} s: {why}"
             ) from None
 
-    def recv(self, timeout_s: float) -> Message:
+    def recv(self, timeout_s: float, *, fail_on_drop: bool = False) -> Message:
         """Next message from the sender. Raises `TimeoutError`, or `ProtocolError` if malformed.
 
         Frames failing a check are dropped (and counted) without ending the wait; an
         authenticated frame that does not decode is the sender's fault and raises. A frame
-        already queued is returned even with `timeout_s` 0.
+        already queued is returned even with `timeout_s` 0. With `fail_on_drop` (mid-update,
+        where a lost connection means a lost update), a dropped connection raises
+        `ConnectionError` at once instead of waiting out `timeout_s`.
         """
         deadline = time.monotonic() + timeout_s
         mark = self._reject.mark()
@@ -608,6 +610,8 @@ class ReceiverChannel:
             ready = dict(self._poller.poll(max(math.ceil(left * 1000), 0)))
             if self._monitor in ready:
                 self._watch()
+                if fail_on_drop and self._dropped and self._polled not in ready:
+                    raise ConnectionError(self._dropped)
             if self._polled not in ready:
                 if time.monotonic() < deadline:
                     continue

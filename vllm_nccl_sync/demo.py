@@ -6,7 +6,10 @@
 3. a separate trainer process holds the same architecture with different weights and pushes them
    (ZeroMQ headers + gloo/NCCL broadcast of exactly the payload bytes);
 4. generates again, and checks the engine now answers exactly like transformers does with the
-   trainer's weights.
+   trainer's weights; the last line is the verdict (PASS/FAIL) with the update's numbers.
+
+vLLM's start-up logs, library warnings and progress bars are kept out of the output (in the
+engine's processes too, through the environment they inherit) unless `--verbose` is given.
 
 Run: `bash scripts/demo.sh` (installs what it needs), `vllm-nccl-sync demo`, or
 `python examples/demo.py` in a venv that has vLLM.
@@ -15,9 +18,13 @@ Run: `bash scripts/demo.sh` (installs what it needs), `vllm-nccl-sync demo`, or
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import multiprocessing as mp
+import os
 import tempfile
 import time
+import warnings
 
 from .config import SyncConfig
 from .metrics import ProgressPrinter, push_logged
@@ -55,7 +62,57 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"],
                     help="tiny model: qwen2 (tied embeddings) or llama (untied)")
     ap.add_argument("--bucket-mib", type=float, default=1.0, help="bucket size in MiB")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show vLLM's logs and library warnings (hidden by default)")
     return ap
+
+
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's own loggers, in every process it starts
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10 warnings (NUMA binding, ...)
+    "PYTHONWARNINGS": "ignore",  # FutureWarning/DeprecationWarning from imports in subprocesses
+    "TQDM_DISABLE": "1",  # vLLM's checkpoint-loading bar
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+def quiet() -> None:
+    """Keep library noise out of the demo: set through the environment, which vLLM's engine and
+    worker processes (and the trainer process) inherit; a variable the user set is kept."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    warnings.simplefilter("ignore")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # in case vLLM is already imported here
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+@contextlib.contextmanager
+def stderr_to(path: str | None):
+    """Send file descriptor 2 to `path` meanwhile (None: leave it): the engine's processes
+    started meanwhile keep writing there (what they print before vLLM configures its logging)."""
+    if path is None:
+        yield
+        return
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Start the engine, generate, take the trainer's push, generate again; 0 if it matches."""
+    verbose = getattr(args, "verbose", False)
+    if not verbose:
+        quiet()
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -73,8 +133,16 @@ def run(args: argparse.Namespace) -> int:
     path = make_model(tempfile.mkdtemp(prefix="vllm-nccl-sync-demo-"), args.arch, seed=1)
     print(f"model: tiny {args.arch} at {path}; data plane: {backend}")
     t0 = time.perf_counter()
-    llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())
-    print(f"engine started in {time.perf_counter() - t0:.1f} s")
+    log = None if verbose else os.path.join(path, "engine.log")
+    try:
+        with stderr_to(log):
+            llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())
+    except BaseException:
+        if log:
+            print(f"FAIL: the engine did not start; its log: {log}")
+        raise
+    print(f"engine started in {time.perf_counter() - t0:.1f} s"
+          + (f" (its start-up output: {log}; --verbose shows it)" if log else ""))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
 
@@ -92,25 +160,30 @@ def run(args: argparse.Namespace) -> int:
     [summary] = llm.collective_rpc("nccl_sync_receive", timeout=300, args=(120.0,))
     llm.reset_prefix_cache()  # cached KV came from the old weights
     if not parent.poll(150):
-        print("trainer did not report")
+        print("FAIL: the trainer did not report" + (f" (engine log: {log})" if log else ""))
         return 1
     status, pushed = parent.recv()
     proc.join(timeout=30)
     if status != "ok" or not summary["ok"]:
-        print(f"update failed: trainer={pushed!r} engine={summary!r}")
+        print(f"FAIL: the update failed: trainer={pushed!r} engine={summary!r}"
+              + (f" (engine log: {log})" if log else ""))
         return 1
     after = generate()
 
     for i, p in enumerate(PROMPTS):
         print(f"prompt {p}\n  before: {before[i]}\n  after:  {after[i]}\n"
               f"  trainer (transformers): {pushed['expected'][i]}")
-    print(f"update: version {summary['version']}, {pushed['bytes'] / 1e6:.2f} MB in "
-          f"{pushed['buckets']} buckets, {pushed['tensors']} tensors, "
-          f"{pushed['seconds'] * 1e3:.1f} ms, "
-          f"{pushed['gbps']:.2f} GB/s (engine side {summary['seconds'] * 1e3:.1f} ms)")
     ok = after == pushed["expected"] and after != before
-    print("engine now generates exactly like the trainer's model:", "YES" if ok else "NO")
     llm.collective_rpc("nccl_sync_close", timeout=30)
+    n = len(PROMPTS)
+    same = sum(a == e for a, e in zip(after, pushed["expected"]))
+    changed = sum(a != b for a, b in zip(after, before))
+    print(f"{'PASS' if ok else 'FAIL'}: the running engine took version {summary['version']} "
+          f"({pushed['bytes'] / 1e6:.2f} MB, {pushed['tensors']} tensors in {pushed['buckets']} "
+          f"buckets, {pushed['seconds'] * 1e3:.1f} ms, {pushed['gbps']:.2f} GB/s over {backend}) "
+          f"and now generates exactly like the trainer's model on {same}/{n} prompts "
+          f"({changed}/{n} changed)" + (f"; engine log: {log}" if log and not ok else ""),
+          flush=True)
     return 0 if ok else 1
 
 

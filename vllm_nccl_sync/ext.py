@@ -29,34 +29,19 @@ class Ext:
     def nccl_sync_join(self, cfg: dict[str, Any], rank_offset: int = 1) -> dict[str, Any]:
         """Join the trainer's transfer group; blocks until the trainer's `connect()` meets it.
 
-        This worker's rank is `rank_offset + replica * workers_per_replica + local rank`.
+        This worker's rank is `rank_offset + replica * workers_per_replica + local rank`, from
+        vLLM's parallel config (`worker_glue.worker_rank`, shared with the `nccl_sync` backend).
         """
-        from vllm.distributed import (
-            get_pp_group,
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
         from .config import SyncConfig
-        from .receiver import Receiver
         from .vllm_loader import VllmWeightLoader
+        from .worker_glue import join
 
         if self._nccl_sync is not None:
             self.nccl_sync_close()
-        sync_cfg = SyncConfig.from_dict(cfg)
-        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        pp = get_pp_group()
-        per_replica = tp_size * pp.world_size
-        local = pp.rank_in_group * tp_size + tp_rank
-        replica = getattr(self.vllm_config.parallel_config, "data_parallel_index", 0) or 0
-        rank = rank_offset + replica * per_replica + local
-        device = self.device if sync_cfg.backend == "nccl" else None
-        receiver = Receiver(
-            sync_cfg, rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size, device=device,
-            reference=_reference(self.vllm_config), state=self._nccl_sync_state_obj(),
-        )
+        receiver, where = join(SyncConfig.from_dict(cfg), rank_offset, self.vllm_config,
+                               self.device, self._nccl_sync_state_obj())
         self._nccl_sync = (receiver, VllmWeightLoader(self))
-        return {"rank": rank, "replica": replica, "tp_rank": tp_rank, "tp_size": tp_size}
+        return where.to_dict()
 
     def nccl_sync_receive(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Receive one update (call while the trainer pushes). Returns this worker's summary."""
@@ -117,10 +102,7 @@ class Ext:
 
 
 def _reference(vllm_config: Any) -> Any:
-    """The engine's tensors in HF terms, from its checkpoint's safetensors headers."""
-    from .handshake import checkpoint_reference
-    from .packing import dtype_name
+    """The engine's tensors in HF terms (kept for callers of the old name; see `worker_glue`)."""
+    from .worker_glue import reference
 
-    mc = vllm_config.model_config
-    tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-    return checkpoint_reference(mc.model, tied, dtype_name(mc.dtype))
+    return reference(vllm_config)

@@ -91,43 +91,101 @@ class Bucket:
         return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged)
 
 
-def plan_buckets(
+def cut(
     named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int
-) -> Iterator[Bucket]:
-    """Cut a stream of named tensors into buckets of at most `capacity` bytes, lazily.
+) -> Iterator[tuple[Slot, torch.Tensor] | None]:
+    """The bucket layout of a stream of named tensors, lazily: `(slot, flat source)` per slot,
+    and `None` where a bucket closes (before the slot that no longer fits).
 
     Tensors keep their order. A tensor that does not fit the rest of the current bucket starts a
     new one; a tensor larger than `capacity` is split into whole-element chunks that fill buckets.
+    Only the tensor being cut is referenced here: the next one is pulled after it is let go.
     """
     if capacity < ALIGN or capacity % ALIGN:
         raise ValueError(f"bucket capacity {capacity} must be a positive multiple of {ALIGN}")
-    cur = Bucket()
-    used = 0
+    used, nonempty = 0, False
     for name, tensor in named_tensors:
         dtype = dtype_name(tensor.dtype)
         shape = list(tensor.shape)
         flat = tensor.detach().reshape(-1)
+        del tensor
         total = flat.numel() * flat.element_size()
         itemsize = flat.element_size()
-        if total <= capacity and align_up(used) + total > capacity:
-            yield cur
-            cur, used = Bucket(), 0
+        if nonempty and total <= capacity and align_up(used) + total > capacity:
+            yield None
+            used, nonempty = 0, False
         start = 0
         while True:
             offset = align_up(used)
             if offset >= capacity:
-                yield cur
-                cur, used, offset = Bucket(), 0, 0
+                yield None
+                used, offset = 0, 0
             room = (capacity - offset) // itemsize * itemsize
             n = min(total - start, room)
-            cur.slots.append(Slot(name, dtype, shape, offset, n, start))
-            cur.sources.append(flat)
-            used = offset + n
+            yield Slot(name, dtype, shape, offset, n, start), flat
+            used, nonempty = offset + n, True
             start += n
             if start >= total:
                 break
+        del flat
+
+
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int
+) -> Iterator[Bucket]:
+    """Cut a stream of named tensors into buckets of at most `capacity` bytes, lazily (`cut`);
+    each bucket keeps references to its source tensors until it is packed."""
+    cur = Bucket()
+    for ev in cut(named_tensors, capacity):
+        if ev is None:
+            yield cur
+            cur = Bucket()
+        else:
+            cur.slots.append(ev[0])
+            cur.sources.append(ev[1])
     if cur.slots:
         yield cur
+
+
+class StreamPacker:
+    """Packs a stream of named tensors straight into buffers as it is consumed.
+
+    Each tensor is copied into the bucket being filled as soon as it is pulled and let go once
+    its last byte is copied, so a trainer gathering full tensors one at a time (FSDP) never holds
+    more than one of them beyond the two buffers.
+    """
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int) -> None:
+        self._events = cut(named_tensors, capacity)
+        self._held: tuple[Slot, torch.Tensor] | None = None  # the slot that closed a bucket
+        self.done = False
+
+    def fill(self, buf: torch.Tensor) -> tuple[list[Slot], bool]:
+        """Copy the next bucket into `buf`; returns its slots and whether it is the last one."""
+        slots: list[Slot] = []
+        while True:
+            ev, self._held = self._held, None
+            if ev is None:
+                ev = next(self._events, _END)
+            if ev is _END:
+                self.done = True
+                return slots, True
+            if ev is None:  # a bucket closes here
+                ev = next(self._events, _END)
+                if ev is not _END:
+                    self._held = ev
+                    return slots, False
+                self.done = True
+                return slots, True
+            slot, flat = ev
+            ev = None
+            data = as_bytes(flat)[slot.start : slot.start + slot.nbytes]
+            buf[slot.offset : slot.offset + slot.nbytes].copy_(data, non_blocking=True)
+            del flat, data
+            slots.append(slot)
+
+
+_END = object()
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,7 @@ class Receiver:
             log.warning("rank %d could not report its error to the trainer: %s", self.rank, e)
 
     def _recv(self, deadline: float):
-        msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+        msg = self.channel.recv(max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
         self.transport.extend(self._verdict_s)  # progress: the deadman restarts its count
         return msg
 

@@ -16,8 +16,11 @@ everything that does not need the receivers' answer is done before waiting for i
 announced right after the collective of k is queued, and packed (speculatively, into our own
 buffer) while the receivers check its header, so `Ready k+1` is answered by `Go k+1` at once.
 On CUDA nothing here blocks the host on the GPU: a buffer is refilled after `wait()` on the
-collective that last read it, which orders the current stream after it. A bucket holding one
-tensor (or one chunk of it) is broadcast straight from the tensor's memory, without a pack copy.
+collective that last read it, which orders the current stream after it. For a mapping (all
+tensors in memory already) a bucket holding one tensor (or one chunk of it) is broadcast straight
+from the tensor's memory, without a pack copy. An iterable is consumed by `StreamPacker`: each
+tensor is copied into a buffer as soon as it is pulled and let go, so a trainer gathering full
+tensors one at a time holds at most one of them beyond the two buffers.
 """
 
 from __future__ import annotations
@@ -32,11 +35,20 @@ import torch
 from .channel import SenderChannel, clip
 from .config import SyncConfig
 from .integrity import checksum, checksum_gpu
-from .packing import Bucket, as_bytes, dtype_name, pack, plan_buckets, tensor_nbytes
+from .packing import (
+    Bucket,
+    StreamPacker,
+    as_bytes,
+    dtype_name,
+    pack,
+    plan_buckets,
+    tensor_nbytes,
+)
 from .protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
+    BucketHeader,
     Commit,
     Error,
     Go,
@@ -44,9 +56,10 @@ from .protocol import (
     Plan,
     Ready,
     Seal,
+    Slot,
     TensorSpec,
 )
-from .transport import Handle, Transport
+from .transport import Handle, PeerFailed, Transport
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +95,10 @@ class PushResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+Producer = Callable[[int, list], tuple[list[Slot], bool, torch.Tensor]]
+"""Makes bucket `seq` (waiting for its buffer's last collective): its slots, whether it is the
+last one, and its wire bytes."""
+
 Progress = Callable[[int, int, float], None]
 """Called after each bucket is sent with (buckets so far, bytes so far, seconds so far)."""
 
@@ -95,6 +112,16 @@ def _without_aliases(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str,
             continue
         seen.add(key)
         yield name, t
+
+
+def _each(items: Iterable[tuple[str, torch.Tensor]],
+          cast: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items` with `cast` applied, letting each tensor go before the next one is pulled (a
+    generator expression would keep the previous one alive while the source makes the next)."""
+    for name, t in items:
+        t = cast(t)
+        yield name, t
+        del t
 
 
 def _with_last(it: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
@@ -206,16 +233,44 @@ class PushClient:
             self._abort_all(version, seq, str(e))
             raise UpdateRefused(str(e), e.errors, e.missing) from None
 
-    def _wire(self, bucket: Bucket, seq: int, works: list[Handle | None]) -> torch.Tensor:
-        """The bytes of `bucket` to broadcast: packed into buffer seq%2, or the tensor itself."""
-        prev = works[seq % 2]  # the collective that last read this buffer
+    def _free(self, seq: int, works: list[Handle | None]) -> torch.Tensor:
+        """Buffer seq%2, once the collective that last read it is done (on CUDA: ordered on the
+        current stream, no host wait)."""
+        prev = works[seq % 2]
         if prev is not None:
-            prev.wait()  # orders the pack after it on the current stream (no host wait on CUDA)
+            prev.wait()
             works[seq % 2] = None
-        if len(bucket.slots) == 1 and bucket.sources[0].device == self.transport.device:
-            slot = bucket.slots[0]  # zero copy: NCCL reads the tensor's own (contiguous) memory
-            return as_bytes(bucket.sources[0])[slot.start : slot.start + slot.nbytes]
-        return pack(bucket, self._buffers[seq % 2])
+        return self._buffers[seq % 2]
+
+    def _planned(self, items: list[tuple[str, torch.Tensor]]) -> Producer:
+        """Buckets of tensors that are all in memory already (a mapping): planned, then packed;
+        a bucket holding one tensor (or one chunk) is sent straight from its memory."""
+        buckets = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+
+        def produce(seq: int, works: list[Handle | None]) -> tuple[list[Slot], bool, torch.Tensor]:
+            bucket, is_last = next(buckets)
+            buf = self._free(seq, works)
+            if len(bucket.slots) == 1 and bucket.sources[0].device == self.transport.device:
+                slot = bucket.slots[0]  # zero copy: the collective reads the tensor's own memory
+                wire = as_bytes(bucket.sources[0])[slot.start : slot.start + slot.nbytes]
+            else:
+                wire = pack(bucket, buf)
+            return bucket.slots, is_last, wire
+
+        return produce
+
+    def _streamed(self, items: Iterable[tuple[str, torch.Tensor]]) -> Producer:
+        """Buckets of a stream (a generator gathering full tensors one at a time): each tensor is
+        copied into a buffer as soon as it is pulled, so at most one is held beyond the buffers."""
+        packer = StreamPacker(items, self.cfg.bucket_bytes)
+
+        def produce(seq: int, works: list[Handle | None]) -> tuple[list[Slot], bool, torch.Tensor]:
+            buf = self._free(seq, works)
+            slots, is_last = packer.fill(buf)
+            length = slots[-1].offset + slots[-1].nbytes if slots else 0
+            return slots, is_last, buf[:length]
+
+        return produce
 
     def push(
         self,
@@ -258,14 +313,19 @@ class PushClient:
             items = [(n, cast(t)) for n, t in _without_aliases(named_tensors)]
             specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
             plan = Plan(PROTOCOL_VERSION, version, specs, full, force)
+            produce = self._planned(items)
         else:
-            items = ((n, cast(t)) for n, t in named_tensors)
-        buckets = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+            produce = self._streamed(_each(named_tensors, cast))
         gpu = self.transport.device.type == "cuda"
         t0 = time.perf_counter()
         works: list[Handle | None] = [None, None]
         sums: list = []
         seq, nbytes, ntensors, posted = -1, 0, 0, False
+
+        def header_of(k: int, slots: list[Slot], is_last: bool) -> BucketHeader:
+            length = slots[-1].offset + slots[-1].nbytes if slots else 0
+            return BucketHeader(PROTOCOL_VERSION, version, k, length, is_last, slots, force, staged)
+
         try:
             with self.transport.armed(self.cfg.timeout_s, f"update {version}"):
                 if plan is not None:
@@ -273,14 +333,15 @@ class PushClient:
                     self._await_ready(version, -1)
                 t0 = time.perf_counter()
                 seq = 0
-                bucket, is_last = next(buckets)
-                header = bucket.header(version, 0, is_last, PROTOCOL_VERSION, force, staged)
+                slots, is_last, wire = produce(0, works)
+                header = header_of(0, slots, is_last)
                 self._send_all(header)
-                wire = self._wire(bucket, 0, works)
                 while True:
-                    nxt = None if is_last else next(buckets)  # planned before Ready: off the path
+                    # Bucket k+1 is planned and packed (speculatively, into the buffer whose
+                    # collective k-1 was posted long ago) while the receivers check header k.
+                    nxt = None if header.is_last else produce(seq + 1, works)
                     digest = 0
-                    if check and header.length:  # while the receivers check the header
+                    if check and header.length:
                         digest = checksum_gpu(wire) if gpu else checksum(wire)
                     sums.append(digest)
                     self._await_ready(version, seq)
@@ -291,10 +352,8 @@ class PushClient:
                     works[seq % 2] = self.transport.broadcast(wire) if header.length else None
                     done = header
                     if nxt is not None:  # announce k+1 at once: receivers check it while k flies
-                        bucket, is_last = nxt
-                        header = bucket.header(
-                            version, seq + 1, is_last, PROTOCOL_VERSION, force, staged
-                        )
+                        slots, is_last, wire = nxt
+                        header = header_of(seq + 1, slots, is_last)
                         self._send_all(header)
                     nbytes += done.length
                     ntensors += sum(
@@ -305,7 +364,6 @@ class PushClient:
                     if nxt is None:
                         break
                     seq += 1
-                    wire = self._wire(bucket, seq, works)  # speculative: unused if it is refused
                 for w in works:
                     if w is not None:
                         w.wait()
@@ -328,6 +386,9 @@ class PushClient:
                 self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
             if isinstance(e, PushError):
                 raise
+            if isinstance(e, PeerFailed):
+                raise PushError(f"update {version} failed at bucket {seq}: rank {e.rank} left "
+                                f"the data plane: {clip(str(e))}", missing=[e.rank]) from e
             raise PushError(f"update {version} failed at bucket {seq} on the trainer: "
                             f"{clip(repr(e))}") from e
         seconds = time.perf_counter() - t0

@@ -164,9 +164,10 @@ def engine_kwargs(**overrides) -> dict:
 
 
 def start_server(path: str, log_path: str, env: dict | None = None,
-                 timeout_s: float = 300.0) -> tuple[Any, str]:
+                 timeout_s: float = 300.0, args: list[str] | None = None) -> tuple[Any, str]:
     """Start `vllm serve` (dev mode, with the extension) on `path`; returns (process, url).
 
+    `args` are appended to the command line (e.g. `--weight-transfer-config`).
     Output goes to `log_path`. Raises `RuntimeError` with the log's tail if the server exits or is
     not healthy within `timeout_s`. The caller terminates the process.
     """
@@ -185,6 +186,7 @@ def start_server(path: str, log_path: str, env: dict | None = None,
            "--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
     if kw["enforce_eager"]:
         cmd.append("--enforce-eager")
+    cmd += args or []
     full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)

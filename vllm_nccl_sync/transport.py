@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -92,16 +92,27 @@ def await_listener(host: str, port: int, timeout_s: float) -> None:
     )
 
 
-class _Works:
-    """Several gloo point-to-point operations as one handle; `wait` is bounded."""
+class PeerFailed(RuntimeError):
+    """A point-to-point transfer with `rank` failed (the peer died, or the group timed out)."""
 
-    def __init__(self, works: list, timeout: timedelta) -> None:
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class _Works:
+    """Gloo point-to-point operations, one per peer, as one handle; `wait` is bounded."""
+
+    def __init__(self, works: dict[int, Any], timeout: timedelta) -> None:
         self._works = works
         self._timeout = timeout
 
     def wait(self) -> bool:
-        for w in self._works:
-            w.wait(self._timeout)
+        for rank, w in self._works.items():
+            try:
+                w.wait(self._timeout)
+            except RuntimeError as e:
+                raise PeerFailed(f"data-plane transfer with rank {rank} failed: {e}", rank) from e
         return True
 
 
@@ -277,6 +288,8 @@ class Transport:
         (gloo's broadcast relays through a tree, and a relay forwards whatever size it posted);
         a receiver may post more room than announced and gets exactly what was sent.
         `length`: the bytes announced (by default all of `tensor`), for the byte counters.
+        Every rank must wait on every handle it gets (on gloo a point-to-point operation that is
+        never waited for leaves the peers out of step until the group's timeout).
         """
         if self.broken:
             raise RuntimeError(f"transfer group is broken ({self.broken}); join again")
@@ -289,9 +302,9 @@ class Transport:
         if self.backend == "gloo":
             tag = self.collectives % (1 << 30)
             if self.rank != src:
-                return _Works([self.pg.recv([tensor], src, tag)], self._timeout)
-            return _Works([self.pg.send([tensor], r, tag) for r in range(self.world_size)
-                           if r != src], self._timeout)
+                return _Works({src: self.pg.recv([tensor], src, tag)}, self._timeout)
+            return _Works({r: self.pg.send([tensor], r, tag) for r in range(self.world_size)
+                           if r != src}, self._timeout)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0

@@ -1,0 +1,273 @@
+"""vLLM's own RL weight-sync API in front of this project: backend `nccl_sync`.
+
+The trainer code here (`trainer_for`) uses only vLLM's API (`WeightTransferTrainerFactory`,
+`ModuleSource`, vLLM's clients and routes) plus the backend's init info; no `WeightSync`, no
+`PushClient`. It updates (a) an offline `LLM(weight_transfer_config={"backend": "nccl_sync"})` and
+(b) a `vllm serve` process through its RL HTTP routes, both real vLLM CPU engines over gloo.
+Afterwards greedy output equals transformers' with the pushed weights and vLLM's weight version is
+the pushed version; a model with a wrong shape is refused before any byte moves, through vLLM's
+API, with this project's message, and the engine keeps serving what it had.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from vllm_nccl_sync.testing import (
+    PROMPTS,
+    build_model,
+    engine_kwargs,
+    hf_greedy,
+    make_model,
+    start_server,
+)
+
+pytestmark = pytest.mark.vllm
+MAX_TOKENS = 8
+TIMEOUT_S = 60.0  # an upper bound on every wait, never a speed requirement
+WRONG = "model.layers.0.mlp.gate_proj.weight"
+
+
+def wrong_model(arch: str, seed: int) -> torch.nn.Module:
+    """A model whose `WRONG` tensor has 300 rows instead of the engine's 256."""
+    model = build_model(arch, seed)
+    mlp = model.model.layers[0].mlp
+    mlp.gate_proj.weight = torch.nn.Parameter(torch.zeros(300, mlp.gate_proj.weight.shape[1]))
+    return model
+
+
+def trainer_for(client, model: torch.nn.Module, world_size: int):
+    """The trainer's whole integration: vLLM's trainer factory, vLLM's `ModuleSource`, and the
+    backend's init info (its `backend` ClassVar, "nccl_sync", selects the backend)."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
+
+    info = NcclSyncTrainerInitInfo(world_size=world_size, rank=0, timeout_s=TIMEOUT_S,
+                                   bucket_bytes=64 * 1024)  # small buckets: many, and chunking
+    return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                     source=ModuleSource(model))
+
+
+def assert_refused_with_our_message(text: str, version: int) -> None:
+    # vLLM's words: the worker's error came back through vLLM's collective RPC
+    assert f"Worker failed with error 'nccl_sync: update {version} failed on rank 1" in text, text
+    assert f"refused update {version}:" in text, text  # the plan stage: before any byte moved
+    assert f"tensor '{WRONG}': shape [300, 128] != engine's [256, 128]" in text, text
+
+
+# ---------------------------------------------------------------------------- offline LLM
+
+
+def generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_offline_llm_through_vllm_api(tmp_path):
+    """`LLM` in this process; the backend runs vLLM's blocking `update_weights` in a side
+    thread while the trainer pushes from this one (what vLLM's API requires of an in-process
+    engine)."""
+    from vllm import LLM
+
+    path = make_model(str(tmp_path / "qwen2"), "qwen2", seed=1)
+    llm = LLM(model=path, weight_transfer_config={"backend": "nccl_sync"}, **engine_kwargs())
+    try:
+        world_size = 1 + llm.llm_engine.vllm_config.parallel_config.world_size
+        new = build_model("qwen2", seed=2)
+        expected = hf_greedy(new, PROMPTS, MAX_TOKENS)
+        assert generate(llm) != expected  # the push below is what changes the output
+
+        trainer = trainer_for(llm, new, world_size)
+        result = trainer.send_weights()
+        llm.reset_prefix_cache()  # its KV came from the old weights
+        assert generate(llm) == expected
+        assert llm.get_weight_version() == str(result.version) == "1"
+        trainer.shutdown()
+
+        # A restarted trainer goes on from vLLM's weight version; a wrong model is refused.
+        bad = trainer_for(llm, wrong_model("qwen2", seed=3), world_size)
+        with pytest.raises(Exception) as refused:
+            bad.send_weights()
+        assert_refused_with_our_message(str(refused.value), 2)
+        bad.shutdown()
+        assert llm.get_weight_version() == "1"
+        llm.reset_prefix_cache()
+        assert generate(llm) == expected  # nothing moved
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # the engine's processes go now, not at exit
+        del llm
+
+
+# ---------------------------------------------------------------------------- vllm serve (HTTP)
+
+
+def test_served_engine_through_rl_http_routes(tmp_path):
+    import requests
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    path = make_model(str(tmp_path / "qwen2"), "qwen2", seed=1)
+    proc, url = start_server(path, str(tmp_path / "server.log"), args=[
+        "--weight-transfer-config", json.dumps({"backend": "nccl_sync"})])
+
+    def complete() -> list[list[int]]:
+        out = []
+        for p in PROMPTS:
+            body = {"model": path, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            r = requests.post(url + "/v1/completions", json=body, timeout=180)
+            r.raise_for_status()
+            out.append(r.json()["choices"][0]["token_ids"])
+        return out
+
+    def weight_version() -> str:
+        r = requests.get(url + "/weight_info", timeout=30)
+        r.raise_for_status()
+        return r.json()["weight_version"]
+
+    try:
+        client = HTTPVLLMWeightSyncClient(url)
+        world_size = 1 + requests.get(url + "/get_world_size", timeout=30).json()["world_size"]
+        new = build_model("qwen2", seed=2)
+        expected = hf_greedy(new, PROMPTS, MAX_TOKENS)
+        assert complete() != expected
+        assert weight_version() == "default"
+
+        trainer = trainer_for(client, new, world_size)
+        requests.post(url + "/pause", timeout=60).raise_for_status()  # clears the prefix cache
+        try:
+            result = trainer.send_weights()
+        finally:
+            requests.post(url + "/resume", timeout=60).raise_for_status()
+        assert weight_version() == str(result.version) == "1"
+        assert complete() == expected
+        trainer.shutdown()
+
+        bad = trainer_for(client, wrong_model("qwen2", seed=3), world_size)
+        with pytest.raises(Exception) as refused:
+            bad.send_weights()
+        text = str(refused.value)
+        assert "HTTP 500" in text, text  # the route's answer, carrying the worker's message
+        assert_refused_with_our_message(text, 2)
+        bad.shutdown()
+        assert weight_version() == "1"
+        assert complete() == expected  # nothing moved, and the server still serves
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------- no engine
+
+
+class ModuleClient:
+    """A `VLLMWeightSyncClient` whose "engine" is a torch module here: each call does what the
+    `nccl_sync` worker does (join, receive into the module), with vLLM 0.26's
+    `finish_weight_update()` (no weight version)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.receiver = None
+        self.finished = 0
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from vllm_nccl_sync.config import SyncConfig
+        from vllm_nccl_sync.receiver import Receiver
+
+        self.receiver = Receiver(SyncConfig.from_dict(init_info["sync_config"]),
+                                 init_info["rank_offset"])
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        from vllm_nccl_sync.loaders import ModuleLoader
+
+        summary = self.receiver.receive(ModuleLoader(self.module), update_info["timeout_s"])
+        if not summary["ok"] or summary["version"] != update_info["version"]:
+            raise RuntimeError(summary.get("error") or summary)
+
+    def finish_weight_update(self) -> None:
+        self.finished += 1
+
+
+def test_trainer_engine_under_vllm_026_calling_convention(monkeypatch):
+    """vLLM 0.26's trainer factory calls `trainer_init(config=, init_info=, client=, source=)`
+    and its clients take no weight version: the same engine class serves it."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from vllm_nccl_sync import weight_transfer as wt
+    from vllm_nccl_sync.patches.vllm_weight_transfer import Surface
+
+    monkeypatch.setattr(wt, "SURFACE", Surface("0.26.0", weight_version=False,
+                                               trainer_backend_classvar=False))
+    src = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    client = ModuleClient(dst)
+    info = wt.NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S, bucket_bytes=256)
+    engine = wt.NcclSyncTrainerEngine.trainer_init(
+        config=WeightTransferConfig(backend="nccl_sync"), init_info=info, client=client,
+        source=ModuleSource(src))
+    try:
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.add_(1.0)
+            assert engine.send_weights().version == step
+            assert client.finished == step
+            for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+                assert torch.equal(a, b)
+    finally:
+        engine.shutdown()
+        client.receiver.close()
+
+
+class UnconfiguredClient(ModuleClient):
+    """An engine started without `--weight-transfer-config`: vLLM refuses the init call."""
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config "
+                           "to enable weight transfer.")
+
+
+def test_engine_side_init_failure_is_what_the_trainer_reports():
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo, WeightTransferFailed
+
+    src = torch.nn.Linear(4, 4)
+    info = NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S)
+    with pytest.raises(WeightTransferFailed, match="init_weight_transfer_engine failed: Weight "
+                                                   "transfer not configured"):
+        WeightTransferTrainerFactory.trainer_init(info, client=UnconfiguredClient(src),
+                                                  source=ModuleSource(src))
+
+
+def test_unsupported_vllm_is_refused_by_name(monkeypatch):
+    import vllm
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    from vllm_nccl_sync.patches import vllm_weight_transfer as guard
+
+    guard.register()  # idempotent: the entry point already ran, or importing the backend did
+    assert "nccl_sync" in WeightTransferEngineFactory._registry
+    assert "nccl_sync" in WeightTransferTrainerFactory._registry
+    monkeypatch.setattr(vllm, "__version__", "0.29.1")
+    with pytest.raises(guard.UnsupportedVllm, match=r"supports vLLM 0\.26\.x, 0\.32\.x; found "
+                                                    r"vLLM 0\.29\.1"):
+        guard.check_version()
