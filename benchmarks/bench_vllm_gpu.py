@@ -1,6 +1,8 @@
 """Weight updates of a real vLLM engine, head to head: trainer process (GPU 0) -> engine (GPU 1).
 
     python benchmarks/bench_vllm_gpu.py --layers 14 --bucket-mib 1024 --reps 7 --json out.json
+    python benchmarks/bench_vllm_gpu.py --cpu-smoke --layers 2 --bucket-mib 0.0625 \
+        --extra-ours-mib 0.125 --reps 2   # script check on vLLM CPU: gloo, raw, ours, ours_vllm_api
 
 The engine is a vLLM `LLM` in this process (`CUDA_VISIBLE_DEVICES=1`, in-process engine core,
 `load_format="dummy"`, a Qwen2-7B-shaped bf16 model with `--layers` layers, untied embeddings;
@@ -15,6 +17,18 @@ holding random bf16 weights under the HF names. Methods, in one run, on the same
                `start_weight_update` / `update_weights` / `finish_weight_update`;
                trainer: `NCCLWeightTransferEngine.trainer_send_weights(packed=True)`), same bucket
   vllm_per_tensor  the same with `packed=False`: one broadcast per tensor
+  ours_vllm_api  this project as vLLM's weight-transfer backend `nccl_sync`, driven only through
+               vLLM's API: engine `init_weight_transfer_engine` / `start_weight_update` /
+               `update_weights` / `finish_weight_update` (`LLM` methods), trainer
+               `WeightTransferTrainerFactory.trainer_init(NcclSyncTrainerInitInfo(...))` +
+               `send_weights`, its control calls forwarded to the engine process over the bench's
+               control socket (as vLLM's HTTP/Ray clients forward them), same bucket. An engine has
+               one weight-transfer backend, so this runs on a second engine
+               (`weight_transfer_config={"backend": "nccl_sync"}`, otherwise the same settings),
+               started after the first one is shut down: a separate block, compared with raw
+               from the first engine.
+
+`--methods` picks a subset (raw always runs: it is the ratio's reference).
 
 Every update is timed on this process's clock, start to finish: from telling the trainer to send
 until the engine-side calls returned and the engine's GPU work is done (`torch.cuda.synchronize`).
@@ -35,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +57,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 MiB = 1 << 20
+METHODS = ("raw", "ours", "vllm_packed", "vllm_per_tensor", "ours_vllm_api")
+
+
+def size_text(nbytes: int) -> str:
+    """A bucket size for the table: "1024 MiB", or "64 KiB" below a MiB (`--cpu-smoke`)."""
+    return f"{nbytes // MiB} MiB" if nbytes % MiB == 0 else f"{nbytes // 1024} KiB"
 DIMS = dict(hidden=3584, inter=18944, heads=28, kv_heads=4, vocab=152064)  # Qwen2-7B
 SMOKE_DIMS = dict(hidden=64, inter=160, heads=4, kv_heads=2, vocab=1000)  # `--cpu-smoke` only
 _CH = 1 << 24
@@ -66,18 +87,71 @@ class BenchExt(Ext):
         if buf.is_cuda:
             torch.cuda.current_stream().synchronize()
 
+    def bench_api_last(self) -> dict:
+        """The `nccl_sync` backend's summary of its last update (receive seconds, buckets)."""
+        last = self.weight_transfer_engine.last
+        return {"rx_s": last["seconds"], "buckets": last["buckets"]}
+
     def bench_free_raw(self) -> None:
         self._bench_buf = None
 
     def bench_zero(self) -> None:
         import torch
 
+        model = self.model_runner.model
         with torch.no_grad():
-            for p in self.model_runner.model.parameters():
+            for p in model.parameters():
                 p.zero_()
+            if self.device.type == "cpu":  # `--cpu-smoke`: vLLM CPU computes from packed copies
+                from vllm_nccl_sync.patches import vllm_cpu_repack as cpu
+
+                for entry in cpu.unpack_linears(model):  # weight-less linears: pack zeros
+                    entry.layer.weight.zero_()
+                    cpu.repack(entry)
+                cpu.repack_kept(model)  # LM head / embeddings: re-pack the zeroed weight
 
     def bench_checksums(self) -> dict[str, list[int]]:
-        return checksums(dict(self.model_runner.model.named_parameters()))
+        model = self.model_runner.model
+        tensors = dict(model.named_parameters())
+        if self.device.type == "cpu":
+            tensors.update(cpu_effective_weights(model))
+        return checksums(tensors)
+
+
+def cpu_effective_weights(model) -> dict:
+    """vLLM CPU (`--cpu-smoke`): the weight each packed layer computes with, `cpu_linear(I).T`.
+
+    At start-up vLLM's CPU backend packs every linear weight for its GEMM kernel and leaves a
+    size-0 `weight` (LM head/embeddings keep theirs next to a packed copy). Multiplying the packed
+    kernel by the identity gives its weight back exactly (one non-zero product per output), so the
+    check sees what the engine really uses; a kept weight whose packed copy differs from it is
+    reported as a mismatch (NaN, never equal to the trainer's checksum).
+    """
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # (sgl-kernel path: biases upcast to fp32)
+            if p.dtype == torch.float32 and p.numel():  # the bench's model is bf16 throughout
+                b = p.to(torch.bfloat16)
+                out[name] = b if torch.equal(b.float(), p) else torch.full_like(b, float("nan"))
+        for name, m in model.named_modules():
+            lin, w = getattr(m, "cpu_linear", None), getattr(m, "weight", None)
+            if lin is None or not isinstance(w, torch.Tensor) or w.is_meta:
+                continue
+            if w.numel():
+                n, k = w.shape
+            else:
+                n, k = sum(m.output_partition_sizes), m.input_size_per_partition
+            dtype = w.dtype
+            eff = lin(torch.eye(k, dtype=dtype), w, None).t().to(dtype).contiguous()
+            assert eff.shape == (n, k), (name, eff.shape, (n, k))
+            key = f"{name}.weight"
+            if w.numel() == 0:
+                out[key] = eff
+            elif not torch.equal(eff, w):
+                out[key] = torch.full_like(w, float("nan"))
+    return out
 
 
 def checksum(t, w):
@@ -152,6 +226,67 @@ def save_config(path: str, layers: int) -> str:
 # --------------------------------------------------------------------------- trainer process
 
 
+class RemoteClient:
+    """vLLM's `VLLMWeightSyncClient` for the engine in the driver process: each call goes over
+    the control socket and the driver makes it on its `LLM` (what `HTTPVLLMWeightSyncClient`
+    does over HTTP). Calls come one at a time (`send_weights` makes `update_weights` from a side
+    thread while its own thread pushes); the lock orders them."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.lock = sock, threading.Lock()
+
+    def _call(self, name: str, *args, **kwargs) -> None:
+        with self.lock:
+            self.sock.send_json({"rpc": name, "args": list(args), "kwargs": kwargs})
+            reply = self.sock.recv_json()
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update",
+                   **({} if weight_version is None else {"weight_version": weight_version}))
+
+
+def dict_source(tensors: dict):
+    """vLLM's `WeightSource` over the trainer's tensors (HF names, checkpoint order)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class DictSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+        def __iter__(self):
+            return iter(tensors.items())
+
+    return DictSource()
+
+
+def api_trainer(sock, tensors: dict, bucket: int, gpu: bool):
+    """This project's trainer engine through vLLM's `WeightTransferTrainerFactory` only."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from vllm_nccl_sync.weight_transfer import BACKEND, SURFACE, NcclSyncTrainerInitInfo
+
+    info = NcclSyncTrainerInitInfo(world_size=2, rank=0, bucket_bytes=bucket, timeout_s=120.0,
+                                   transport="nccl" if gpu else "gloo")
+    client, source = RemoteClient(sock), dict_source(tensors)
+    if SURFACE.trainer_backend_classvar:  # vLLM 0.32: the backend is info's ClassVar
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    from vllm.config.weight_transfer import WeightTransferConfig  # vLLM 0.26: by name
+
+    return WeightTransferTrainerFactory.trainer_init(
+        BACKEND, WeightTransferConfig(backend=BACKEND), info, client=client, source=source)
+
+
 def trainer(args) -> None:
     """Holds the weights on its GPU; sends them by whichever method the driver asks for."""
     import torch
@@ -171,13 +306,35 @@ def trainer(args) -> None:
     sock.send_json({"nbytes": nbytes, "expected": expected,
                     "names": list(tensors), "shapes": [list(t.shape) for t in tensors.values()]})
     clients: dict[int, object] = {}
-    group, flat = None, None
+    group, flat, api = None, None, None
     while True:
         msg = sock.recv_json()
         cmd, t0 = msg["cmd"], time.perf_counter()
         if cmd == "quit":
             sock.send_json({"ok": True, "s": 0.0})
             break
+        if cmd in ("join_api", "leave") or msg.get("method") == "ours_vllm_api":
+            try:  # a failure is reported to the driver at once (it serves the RPCs meanwhile)
+                if cmd == "leave":  # the first engine goes: close what joined it
+                    for c in clients.values():
+                        c.close()
+                    clients, group, flat = {}, None, None
+                elif cmd == "join_api":
+                    if api is not None:
+                        api.shutdown()
+                    api = api_trainer(sock, tensors, msg["bucket"], gpu)
+                else:
+                    api.send_weights(version=msg["version"])
+                    if gpu:
+                        torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported
+                import traceback
+
+                traceback.print_exc()
+                sock.send_json({"ok": False, "error": repr(e), "s": time.perf_counter() - t0})
+                continue
+            sock.send_json({"ok": True, "s": time.perf_counter() - t0})
+            continue
         if cmd == "join_ours":
             from vllm_nccl_sync import PushClient, SyncConfig
 
@@ -210,6 +367,8 @@ def trainer(args) -> None:
         sock.send_json({"ok": True, "s": time.perf_counter() - t0})
     for c in clients.values():
         c.close()
+    if api is not None:
+        api.shutdown()
 
 
 # --------------------------------------------------------------------------- driver + engine
@@ -262,8 +421,39 @@ class Driver:
         self.wait()
         self.persistent["vllm"] = self.allocated() - before
 
+    def serve(self, last: str, timeout_s: float = 300.0) -> None:
+        """Make the trainer's vLLM API calls (`RemoteClient`) on this engine's `LLM` until the
+        call `last` was made; a failure on the trainer's side raises here."""
+        from vllm_nccl_sync.weight_transfer import OfflineClient
+
+        client = OfflineClient(self.llm)
+        while True:
+            msg = self.wait(timeout_s)
+            if "rpc" not in msg:  # the trainer gave up before its last call
+                raise RuntimeError(f"trainer failed: {msg.get('error', msg)}")
+            try:
+                getattr(client, msg["rpc"])(*msg["args"], **msg["kwargs"])
+                self.sock.send_json({"ok": True})
+            except Exception as e:  # noqa: BLE001 - the trainer's engine reports it
+                self.sock.send_json({"error": f"{type(e).__name__}: {e}"})
+            if msg["rpc"] == last:
+                return
+
+    def join_api(self, bucket: int) -> None:
+        """The trainer joins this engine through vLLM's trainer factory (`nccl_sync`)."""
+        before = self.allocated()
+        self.sock.send_json({"cmd": "join_api", "bucket": bucket})
+        self.serve("init_weight_transfer_engine")
+        reply = self.wait()
+        if not reply.get("ok"):
+            raise RuntimeError(f"trainer failed to join: {reply.get('error')}")
+        self.persistent[f"ours_vllm_api@{bucket}"] = self.allocated() - before
+
     def engine_side(self, method: str, bucket: int) -> dict:
         llm = self.llm
+        if method == "ours_vllm_api":
+            self.serve("finish_weight_update")
+            return {}
         if method == "ours":
             [s] = llm.collective_rpc("nccl_sync_receive", args=(120.0,))
             if not s.get("ok"):
@@ -295,7 +485,11 @@ class Driver:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         reply = self.wait()
+        if not reply.get("ok"):
+            raise RuntimeError(f"trainer failed ({method}): {reply.get('error')}")
         peak = torch.cuda.max_memory_allocated() - base if self.gpu else 0
+        if method == "ours_vllm_api":  # after the clock: the receiver's own time and buckets
+            [extra] = self.llm.collective_rpc("bench_api_last")
         return {"s": seconds, "trainer_s": reply["s"], "peak_extra": peak, **extra}
 
     def verify(self, method: str, bucket: int) -> dict:
@@ -327,7 +521,7 @@ def timed(drv: Driver, methods: list[tuple[str, int]], reps: int) -> dict:
             r = drv.run(*m)
             if rep:  # rep 0 is the warm-up
                 runs[m].append(r)
-            print(f"rep {rep} {m[0]}@{m[1] // MiB}MiB: {r['s'] * 1e3:.1f} ms", flush=True)
+            print(f"rep {rep} {m[0]}@{size_text(m[1])}: {r['s'] * 1e3:.1f} ms", flush=True)
     return runs
 
 
@@ -345,10 +539,11 @@ def table(rep: dict) -> str:
         kept, peak = r["kept_bytes"], r["peak_extra_bytes"]
         mem = "-" if r["method"] == "raw" else (
             f"{(kept + peak) / 2**30:.2f} GiB ({kept / 2**30:.2f} + {peak / 2**30:.2f})")
-        bucket = "-" if r["method"] in ("raw", "vllm_per_tensor") else f"{r['bucket'] // MiB} MiB"
+        bucket = "-" if r["method"] in ("raw", "vllm_per_tensor") else size_text(r["bucket"])
         exact = {True: "yes", False: "NO", None: "-"}[r.get("exact")]
         lines.append(
-            f"| {r['method']}{' (separate block)' if r.get('block') else ''} | {bucket} "
+            f"| {r['method']}{' (separate block)' if r.get('block') else ''}"
+            f"{' (2nd engine)' if r.get('engine') == 2 else ''} | {bucket} "
             f"| {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f} "
             f"| {gb / r['median_s']:.0f} | {raw / r['median_s']:.3f} "
             f"| {vs} | {mem} | {exact} |")
@@ -374,6 +569,30 @@ def env_info() -> dict:
     return info
 
 
+def start_engine(args, path: str, backend: str | None):
+    """A vLLM `LLM` in this process with the benchmark's settings and this weight-transfer
+    backend (None: none, the CPU smoke's first engine)."""
+    from vllm import LLM
+
+    wt = {} if backend is None else {"weight_transfer_config": {"backend": backend}}
+    return LLM(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+               enforce_eager=not args.compile, gpu_memory_utilization=args.gpu_mem,
+               max_model_len=2048, max_num_seqs=16, seed=0,
+               worker_extension_cls="bench_vllm_gpu.BenchExt", **wt)
+
+
+def stop_engine(llm) -> None:
+    """Shut an in-process engine down and free its memory (before starting the next one)."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 def driver(args) -> dict:
     os.environ["CUDA_VISIBLE_DEVICES"] = args.engine_gpu
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
@@ -388,26 +607,22 @@ def driver(args) -> dict:
            "--ctl-port", str(ctl_port), "--layers", str(args.layers)]
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
     proc = subprocess.Popen(cmd, env=env)
+    error = None
     try:
-        from vllm import LLM
-
         path = save_config(tempfile.mkdtemp(prefix="bench-vllm-"), args.layers)
         t0 = time.perf_counter()
-        gpu_only = {} if args.cpu_smoke else {"weight_transfer_config": {"backend": "nccl"}}
-        llm = LLM(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  enforce_eager=not args.compile, gpu_memory_utilization=args.gpu_mem,
-                  max_model_len=2048, max_num_seqs=16, seed=0,
-                  worker_extension_cls="bench_vllm_gpu.BenchExt", **gpu_only)
+        # vLLM's NCCL transfer needs CUDA: the CPU smoke's first engine has no backend
+        llm = start_engine(args, path, None if args.cpu_smoke else "nccl")
         startup = time.perf_counter() - t0
-        bucket = args.bucket_mib * MiB
+        bucket = int(args.bucket_mib * MiB)
         drv = Driver(args, llm, sock, {})
         drv.info = drv.wait(600)  # the trainer's weights and expected checksums
         drv.names, drv.shapes = drv.info["names"], drv.info["shapes"]
         drv.join_ours(bucket)
-        main = [("raw", bucket), ("ours", bucket)]
-        if not args.cpu_smoke:  # vLLM's NCCL transfer needs CUDA
+        main = [("raw", bucket)] + [(m, bucket) for m in ("ours", "vllm_packed", "vllm_per_tensor")
+                                    if m in args.methods]
+        if any(m.startswith("vllm") for m, _ in main):
             drv.join_vllm()
-            main += [("vllm_packed", bucket), ("vllm_per_tensor", bucket)]
         runs = timed(drv, main, args.reps)
         llm.collective_rpc("bench_free_raw")
         if not args.cpu_smoke:
@@ -420,29 +635,57 @@ def driver(args) -> dict:
             rows.append({"method": m[0], "bucket": m[1], "kept_bytes": kept, **stats(runs[m]),
                          **({"exact": checks[m]["exact"], "check": checks[m]} if m in checks
                             else {})})
-        for mib in args.extra_ours_mib:  # other bucket sizes for ours, after the main block
-            b = mib * MiB
+        for mib in args.extra_ours_mib if "ours" in args.methods else []:
+            b = int(mib * MiB)  # other bucket sizes for ours, after the main block
             drv.join_ours(b)
             extra = timed(drv, [("ours", b)], args.reps)[("ours", b)]
             chk = drv.verify("ours", b)
             rows.append({"method": "ours", "bucket": b, "block": True,
                          "kept_bytes": drv.persistent[f"ours@{b}"], **stats(extra),
                          "exact": chk["exact"], "check": chk})
-        drv.ask({"cmd": "quit"})
         llm.collective_rpc("nccl_sync_close")
+        startup2 = None
+        if "ours_vllm_api" in args.methods:
+            # An engine has one weight-transfer backend: a second engine for `nccl_sync`.
+            drv.ask({"cmd": "leave"})
+            drv.llm = None
+            stop_engine(llm)
+            del llm
+            import vllm_nccl_sync.weight_transfer  # noqa: F401 - registers `nccl_sync` here
+            m = ("ours_vllm_api", bucket)
+            try:
+                t0 = time.perf_counter()
+                drv.llm = start_engine(args, path, "nccl_sync")
+                startup2 = time.perf_counter() - t0
+                drv.join_api(bucket)
+                api = timed(drv, [m], args.reps)[m]
+                if not args.cpu_smoke:
+                    torch.cuda.empty_cache()
+                chk = drv.verify(*m)
+                rows.append({"method": m[0], "bucket": bucket, "engine": 2,
+                             "kept_bytes": drv.persistent[f"ours_vllm_api@{bucket}"],
+                             **stats(api), "exact": chk["exact"], "check": chk})
+            except Exception as e:  # report the first engine's rows all the same
+                import traceback
+
+                traceback.print_exc()
+                error = f"ours_vllm_api: {type(e).__name__}: {e}"
+        if error is None:
+            drv.ask({"cmd": "quit"})
         specs = drv.info
         report = {
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "env": env_info(), "engine_startup_s": startup,
+            "env": env_info(), "engine_startup_s": startup, "engine2_startup_s": startup2,
             "model": {"bytes": specs["nbytes"], "tensors": len(specs["names"]),
                       "layers": args.layers, "dims": DIMS},
-            "reps": args.reps, "rows": rows,
+            "reps": args.reps, "methods": args.methods, "rows": rows,
+            **({"error": error} if error else {}),
         }
         report["table"] = table(report)
         return report
     finally:
-        try:
-            proc.wait(timeout=30)
+        try:  # a trainer left mid-call by a failure is not waited for
+            proc.wait(timeout=30 if error is None else 1)
         except subprocess.TimeoutExpired:
             proc.kill()
 
@@ -451,7 +694,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="driver", choices=["driver", "trainer"])
     ap.add_argument("--layers", type=int, default=14, help="Qwen2-7B layers (14: 8.7 GB)")
-    ap.add_argument("--bucket-mib", type=int, default=1024, help="bucket of ours and vllm_packed")
+    ap.add_argument("--bucket-mib", type=float, default=1024,
+                    help="bucket of ours and vllm_packed (fractions for --cpu-smoke)")
     ap.add_argument("--extra-ours-mib", default="512", help="more bucket sizes for ours (comma)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--compile", action="store_true", help="engine with torch.compile + graphs")
@@ -461,14 +705,22 @@ def main() -> None:
     ap.add_argument("--ctl-port", type=int, default=0)
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="")
+    ap.add_argument("--methods", default=",".join(METHODS[1:]),
+                    help=f"comma list of {', '.join(METHODS[1:])} (raw always runs)")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="script check on a CPU vLLM: tiny dims, gloo, raw and ours only")
+                    help="script check on a CPU vLLM: tiny dims, gloo, raw, ours, ours_vllm_api")
     args = ap.parse_args()
     if args.cpu_smoke:
         DIMS.update(SMOKE_DIMS)
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
             os.environ.setdefault(k, v)
-    args.extra_ours_mib = [int(x) for x in args.extra_ours_mib.split(",") if x]
+    args.extra_ours_mib = [float(x) for x in args.extra_ours_mib.split(",") if x]
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        ap.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    if args.cpu_smoke:  # vLLM's NCCL transfer needs CUDA
+        args.methods = [m for m in args.methods if not m.startswith("vllm")]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     if args.role == "trainer":
         trainer(args)
@@ -481,8 +733,14 @@ def main() -> None:
     if args.md:
         with open(args.md, "w") as f:
             f.write(report["table"] + "\n")
+    bad = [f"{r['method']}@{size_text(r['bucket'])}" for r in report["rows"]
+           if r.get("exact") is False]
+    if bad:
+        print(f"not bit-exact: {bad}", flush=True)
+    if report.get("error"):
+        print(f"FAILED {report['error']}", flush=True)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (vLLM/NCCL atexit hooks can hang)
+    os._exit(1 if bad or report.get("error") else 0)  # skip interpreter teardown (vLLM/NCCL atexit hooks can hang)
 
 
 if __name__ == "__main__":
