@@ -347,9 +347,10 @@ def surviving_receiver_proc(cfg1: dict, cfg2: dict) -> dict:
 
 
 def test_trainer_killed_mid_collective_engine_side_survives():
-    """The trainer dies with a collective posted: the receiver reports within its timeout,
-    aborts its communicator (no watchdog tear-down), keeps its CUDA stream usable, re-joins a new
-    trainer and receives a full update bit for bit."""
+    """The trainer dies with a collective posted: the receiver reports within its timeout (at
+    once, when the control connection drops), aborts its communicator if the collective is still
+    pending (no watchdog tear-down), keeps its CUDA stream usable, re-joins a new trainer and
+    receives a full update bit for bit."""
     timeout = 15.0
     # The new trainer waits (its own timeout) while the receiver is still busy failing the first.
     cfg1, cfg2 = ({"backend": "nccl", "control_port": free_port(), "group_port": free_port(),
@@ -361,6 +362,8 @@ def test_trainer_killed_mid_collective_engine_side_survives():
     first = got["first"]
     assert not first["ok"] and not first["consistent"], first  # data moved, in place
     assert got["seconds"] < 3 * timeout, got["seconds"]
-    assert got["broken"] and got["stream_ok"]
+    # Its communicator was aborted if the collective was still pending when the receiver gave
+    # up (else it had completed): either way vLLM's stream still runs work.
+    assert got["stream_ok"]
     assert got["second"]["ok"] and got["second"]["consistent"], got["second"]
     assert got["got"] == sent["want"]

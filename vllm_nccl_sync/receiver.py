@@ -171,7 +171,9 @@ class Receiver:
         if self._cuda:
             self._issue_stream = torch.cuda.Stream(dev)
             self._load_stream = torch.cuda.Stream(dev)
+            self._cksum_stream = torch.cuda.Stream(dev)
             self._free = [torch.cuda.Event(), torch.cuda.Event()]
+            self._cksum_done = [torch.cuda.Event(), torch.cuda.Event()]
 
     @property
     def broken(self) -> str:
@@ -350,8 +352,11 @@ class Receiver:
             self._broken = f"collective of bucket {seq} failed: {clip(str(e))}"
             raise
         u.nbytes += header.length
-        if self._cuda:
-            u.sums.append(checksum_gpu(buf[: header.length]))
+        if self._cuda:  # beside the loads, on its own stream; the buffer waits for both
+            with torch.cuda.stream(self._cksum_stream):
+                work.wait()
+                u.sums.append(checksum_gpu(buf[: header.length]))
+                self._cksum_done[seq % 2].record(self._cksum_stream)
             return
         length = header.length
         if canary is not None and not torch.equal(buf[length : length + canary.numel()], canary):
@@ -494,6 +499,7 @@ class Receiver:
                 with torch.cuda.stream(self._load_stream):
                     self._arrived(header, seq, go, posted, u)
                     self._load(header, seq, loader, re, u)
+                    self._load_stream.wait_event(self._cksum_done[seq % 2])
                     self._free[seq % 2].record(self._load_stream)
             else:
                 self._arrived(header, seq, go, posted, u)

@@ -146,6 +146,8 @@ class PushClient:
         self.transport: Transport | None = None
         self.hellos: dict[int, Hello] = {}
         self._buffers: list[torch.Tensor] = []
+        self._cksum_stream: torch.cuda.Stream | None = None
+        self._cksum_done: list[torch.cuda.Event] = []
 
     @property
     def ranks(self) -> list[int]:
@@ -171,6 +173,9 @@ class PushClient:
         self._buffers = [
             torch.empty(self.cfg.bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)
         ]
+        if dev.type == "cuda":
+            self._cksum_stream = torch.cuda.Stream(dev)
+            self._cksum_done = [torch.cuda.Event(), torch.cuda.Event()]
         return self.hellos
 
     def _send_all(self, msg) -> None:
@@ -240,7 +245,20 @@ class PushClient:
         if prev is not None:
             prev.wait()
             works[seq % 2] = None
+            if self._cksum_stream is not None:  # and the checksum that read it
+                torch.cuda.current_stream(self.transport.device).wait_event(
+                    self._cksum_done[seq % 2])
         return self._buffers[seq % 2]
+
+    def _checksum_beside(self, wire: torch.Tensor, seq: int) -> torch.Tensor:
+        """GPU checksum of bucket `seq` on a side stream, beside its collective (both only read
+        the bytes), instead of between the pack and the collective."""
+        cur = torch.cuda.current_stream(self.transport.device)
+        with torch.cuda.stream(self._cksum_stream):
+            self._cksum_stream.wait_stream(cur)  # after the pack
+            digest = checksum_gpu(wire)
+            self._cksum_done[seq % 2].record(self._cksum_stream)
+        return digest
 
     def _planned(self, items: list[tuple[str, torch.Tensor]]) -> Producer:
         """Buckets of tensors that are all in memory already (a mapping): planned, then packed;
@@ -342,7 +360,7 @@ class PushClient:
                     nxt = None if header.is_last else produce(seq + 1, works)
                     digest = 0
                     if check and header.length:
-                        digest = checksum_gpu(wire) if gpu else checksum(wire)
+                        digest = self._checksum_beside(wire, seq) if gpu else checksum(wire)
                     sums.append(digest)
                     self._await_ready(version, seq)
                     self.transport.extend(self.cfg.timeout_s)
@@ -368,8 +386,9 @@ class PushClient:
                     if w is not None:
                         w.wait()
                 if gpu:
-                    self.transport.wait_stream(torch.cuda.current_stream(self.transport.device),
-                                               self.cfg.timeout_s)
+                    cur = torch.cuda.current_stream(self.transport.device)
+                    cur.wait_stream(self._cksum_stream)
+                    self.transport.wait_stream(cur, self.cfg.timeout_s)
                     dev = [d for d in sums if isinstance(d, torch.Tensor)]
                     values = iter(torch.stack(dev).tolist() if dev else [])
                     sums = [next(values) if isinstance(d, torch.Tensor) else d for d in sums]

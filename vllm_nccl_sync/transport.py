@@ -260,7 +260,7 @@ class Transport:
                 raise TimeoutError(f"GPU work did not finish within {timeout_s:.1f} s; "
                                    "transfer group aborted")
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, 2e-4)
         if self.broken:
             raise RuntimeError(f"transfer group aborted: {self.broken}")
 

@@ -115,6 +115,14 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
     supports_draft_weight_update = False
     """Plans are checked against the main model's checkpoint; a draft model has another one."""
 
+    @staticmethod
+    def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
+        """vLLM 0.26's base class asks every engine for a trainer-side sender; this backend's
+        trainer side is `NcclSyncTrainerEngine` (through `WeightTransferTrainerFactory`)."""
+        raise NotImplementedError(
+            "nccl_sync sends from the trainer through WeightTransferTrainerFactory.trainer_init("
+            "NcclSyncTrainerInitInfo(...), ...).send_weights()")
+
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device,
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
