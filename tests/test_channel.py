@@ -1,5 +1,5 @@
 """The control channel on real ZeroMQ sockets (127.0.0.1): bounded sends, dropped connections,
-send_all past dead or slow peers, drain, bounded error texts.
+send_all past dead or slow peers, bounded error texts.
 
 No test sleeps and then asserts; state is observed with bounded polling loops."""
 
@@ -160,8 +160,16 @@ def test_channels_close_their_monitors(net):
         rx.close()
         rx.close()  # idempotent
     until(lambda: fds() <= before_fds + 2, what=f"fds back to {before_fds} (now {fds()})",
-          step=lambda: trainer.drain() or time.sleep(0.02))
+          step=lambda: _pump(trainer))
     assert tasks() <= before_tasks
+
+
+def _pump(trainer: SenderChannel) -> None:
+    """Let the trainer read (and check) whatever arrived, briefly."""
+    try:
+        trainer.recv(time.monotonic() + 0.02)
+    except TimeoutError:
+        pass
 
 
 # ---------------------------------------------------------------- send_all, send
@@ -232,44 +240,6 @@ def test_a_full_queue_holds_up_neither_send_all_nor_send(monkeypatch):
         for rx in rxs.values():
             rx.close()
         trainer.close()
-
-
-# ---------------------------------------------------------------- drain
-
-def test_drain_discards_a_burst_and_a_drained_frame_cannot_be_replayed(net):
-    trainer, receiver = net
-    rx = receiver(1)
-    join(trainer, rx)
-    assert rx.drain() == 0 and trainer.drain() == 0
-    n = 25
-    for i in range(n):
-        trainer.send(1, abort(f"junk {i}"))
-    counter = trainer._sessions[rx.session].sent  # the burst's last counter
-    total = until(lambda: rx._sock.poll(100) and rx.drain(), what="the burst to arrive")
-    while total < n:  # frames still on their way are drained as they come
-        assert rx._sock.poll(5000), f"only {total} of {n} frames arrived"
-        total += rx.drain()
-    assert total == n and rx.drain() == 0
-    # The drained frames went through the checks: the last one replayed is refused.
-    payload = encode(abort(f"junk {n - 1}"))
-    meta = channel._META.pack(channel.FRAMING, rx.session, trainer.epoch, counter, 1)
-    trainer._sock.send_multipart(
-        [rx.session, meta + channel._mac(SECRET, channel._TO_RECEIVER, meta, payload), payload]
-    )
-    trainer.send(1, Go(protocol=P, version=2, seq=0))
-    assert rx.recv(5.0) == Go(protocol=P, version=2, seq=0)  # only what was sent later
-    assert rx.rejections["replayed"] == 1
-
-    # And the trainer's side.
-    for i in range(n):
-        rx.send(Ready(protocol=P, rank=1, seq=i))
-    total = until(lambda: trainer._sock.poll(100) and trainer.drain(), what="the burst")
-    while total < n:
-        assert trainer._sock.poll(5000), f"only {total} of {n} frames arrived"
-        total += trainer.drain()
-    assert total == n and trainer.drain() == 0
-    rx.send(Ready(protocol=P, rank=1, seq=99))
-    assert trainer.recv(time.monotonic() + 5) == (1, Ready(protocol=P, rank=1, seq=99))
 
 
 # ---------------------------------------------------------------- bounded texts

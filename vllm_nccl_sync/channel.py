@@ -33,8 +33,8 @@ rank with no live connection. `SenderChannel.send_all` never raises for a peer: 
 (one whose queue is full does not hold up the others) and returns the ranks it could not reach,
 so an `Abort` reaches every live receiver whatever happened to the others. "Reached" means queued
 for a connection ZeroMQ still holds: a peer that died a moment ago may not have been noticed yet.
-`drain()` discards what is already queued (the frames still go through the checks, so counters
-and sessions stay current) before a new exchange starts.
+Frames of an earlier, aborted update that are still queued are not this module's concern: every
+message carries its update's version, and the sender and receivers skip those of other updates.
 
 Error texts are bounded: an `Error`'s `message` is cut to `ERROR_MESSAGE_CHARS` and its
 `traceback` to its last `ERROR_TRACEBACK_CHARS` characters, when sent and when received (`clip`).
@@ -99,7 +99,6 @@ _TO_SENDER, _TO_RECEIVER = b"R>S", b"S>R"
 _LOG_FIRST, _LOG_EVERY = 20, 1000  # log the first rejections, then one in _LOG_EVERY
 _MAX_SESSIONS = 1 << 16
 _RETIRED_KEEP = 4096
-_DRAIN_MAX_S = 1.0  # drain() stops after this long, however fast frames keep coming
 _MONITOR_HWM = 10_000  # monitor events kept unread (drained at every channel call and wait)
 
 MAX_WIRE_BYTES = MAX_FRAME_BYTES + 64
@@ -394,25 +393,6 @@ class SenderChannel:
             if got is not None:
                 return got
 
-    def drain(self) -> int:
-        """Discard every frame already queued, without waiting; returns how many.
-
-        Each still goes through the checks (counters advance, so a discarded frame can never be
-        replayed later) and a `Hello` among them still binds its receiver's session.
-        """
-        n = 0
-        stop = time.monotonic() + _DRAIN_MAX_S
-        while time.monotonic() < stop:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            n += 1
-            got = self._accept(frames)
-            if got is not None:
-                log.info("drained a stale %s from rank %d", type(got[1]).__name__, got[0])
-        return n
-
     def _accept(self, frames: list[zmq.Frame]) -> tuple[int, Message] | None:
         rid = frames[0].bytes
         peer = _peer(frames[-1], rid)
@@ -624,24 +604,6 @@ class ReceiverChannel:
             payload = self._accept(self._sock.recv_multipart(copy=False))
             if payload is not None:
                 return _bounded(decode(payload))
-
-    def drain(self) -> int:
-        """Discard every frame already queued, without waiting; returns how many.
-
-        Each still goes through the checks (counters advance, so a discarded frame can never be
-        replayed later); one that passes them but does not decode is discarded too.
-        """
-        n = 0
-        stop = time.monotonic() + _DRAIN_MAX_S
-        self._watch()
-        while time.monotonic() < stop:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            n += 1
-            self._accept(frames)
-        return n
 
     def _accept(self, frames: list[zmq.Frame]) -> memoryview | None:
         peer = f"{_peer(frames[-1])} ({self.endpoint})"

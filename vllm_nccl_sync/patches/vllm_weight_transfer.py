@@ -25,7 +25,9 @@ What differs between the two (and so what each gets):
 
 Both calls are made by keyword, so one `trainer_init(init_info, *, client, source, config=None)`
 serves both; the weight version is handed to vLLM only where vLLM has one. 0.32 is what CI runs;
-0.26 was read, not run (its GPU engine is not available here). Other versions: the plugin still
+0.26 runs on GPUs (`benchmarks/bench_vllm_gpu.py`; its base class also asks every engine for a
+`trainer_send_weights`, which this backend answers by pointing at its trainer side). Other
+versions: the plugin still
 registers the name, and choosing the backend fails at once with `UnsupportedVllm` saying which
 versions are supported (an engine that does not use `nccl_sync` is never affected).
 """
