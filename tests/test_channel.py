@@ -15,7 +15,7 @@ import zmq
 import vllm_nccl_sync.channel as channel
 from vllm_nccl_sync.channel import ReceiverChannel, SenderChannel, clip
 from vllm_nccl_sync.protocol import PROTOCOL_VERSION as P
-from vllm_nccl_sync.protocol import Abort, Error, Go, Hello, Ready, encode
+from vllm_nccl_sync.protocol import Abort, Error, Go, Hello, encode
 from vllm_nccl_sync.sync import free_port
 
 SECRET = bytes.fromhex("5ec7e7" * 8)

@@ -467,14 +467,9 @@ MAX_TOKENS = 6
 
 
 def _generate(llm) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm_nccl_sync.testing import PROMPTS, vllm_greedy
 
-    from vllm_nccl_sync.testing import PROMPTS
-
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
 
 def _hf(seed: int) -> list[list[int]]:

@@ -64,12 +64,9 @@ def assert_refused_with_our_message(text: str, version: int) -> None:
 
 
 def generate(llm) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm_nccl_sync.testing import vllm_greedy
 
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
 
 def test_offline_llm_through_vllm_api(tmp_path):

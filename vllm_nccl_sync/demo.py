@@ -30,7 +30,7 @@ from .config import SyncConfig
 from .metrics import ProgressPrinter, push_logged
 from .sender import PushClient
 from .sync import free_port
-from .testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from .testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model, vllm_greedy
 
 MAX_TOKENS = 8
 
@@ -126,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if not verbose:
         quiet()
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     path = make_model(tempfile.mkdtemp(prefix="vllm-nccl-sync-demo-"), args.arch, seed=1)
@@ -143,13 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"engine started in {time.perf_counter() - t0:.1f} s"
           + (f" (its start-up output: {log}; --verbose shows it)" if log else ""))
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
-
-    def generate() -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-
-    before = generate()
+    before = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
     cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=backend,
                bucket_bytes=int(args.bucket_mib * 2**20) // 64 * 64, timeout_s=120.0)
     ctx = mp.get_context("spawn")
@@ -168,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"FAIL: the update failed: trainer={pushed!r} engine={summary!r}"
               + (f" (engine log: {log})" if log else ""))
         return 1
-    after = generate()
+    after = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
     for i, p in enumerate(PROMPTS):
         print(f"prompt {p}\n  before: {before[i]}\n  after:  {after[i]}\n"

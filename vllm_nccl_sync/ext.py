@@ -100,9 +100,3 @@ class Ext:
             self._nccl_sync[0].close()
             self._nccl_sync = None
 
-
-def _reference(vllm_config: Any) -> Any:
-    """The engine's tensors in HF terms (kept for callers of the old name; see `worker_glue`)."""
-    from .worker_glue import reference
-
-    return reference(vllm_config)

@@ -363,7 +363,6 @@ class PushClient:
                         digest = self._checksum_beside(wire, seq) if gpu else checksum(wire)
                     sums.append(digest)
                     self._await_ready(version, seq)
-                    self.transport.extend(self.cfg.timeout_s)
                     self._send_all(Go(PROTOCOL_VERSION, version, seq, 0 if gpu else digest))
                     # Nothing may fail between Go and queueing the collective it announces.
                     posted = True

@@ -132,6 +132,19 @@ def hf_greedy(
     return out
 
 
+def vllm_greedy(llm: Any, prompts_token_ids: list[list[int]], max_new_tokens: int
+                ) -> list[list[int]]:
+    """Greedy decode with an offline `vllm.LLM`; exactly `max_new_tokens` per prompt, as
+    `hf_greedy` does."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids], sp,
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def engine_kwargs(**overrides) -> dict:
     """`vllm.LLM` keyword arguments for a tiny model here, and the environment they need.
 

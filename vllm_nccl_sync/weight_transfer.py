@@ -291,15 +291,17 @@ class OfflineClient:
 
 class AsyncEngineClient:
     """`VLLMWeightSyncClient` over an in-process `AsyncLLM` whose event loop `loop` runs in
-    another thread (a rollout server); each call blocks this thread until the loop ran it."""
+    another thread (a rollout server); each call blocks this thread until the loop ran it, at
+    most `call_timeout_s`."""
 
-    def __init__(self, engine: Any, loop: Any) -> None:
+    def __init__(self, engine: Any, loop: Any, *, call_timeout_s: float = 600.0) -> None:
         self.engine, self.loop = engine, loop
+        self._timeout = call_timeout_s
 
     def _run(self, coro: Any) -> Any:
         import asyncio
 
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self._timeout)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._run(self.engine.init_weight_transfer_engine(
