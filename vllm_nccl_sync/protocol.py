@@ -59,6 +59,20 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shape: list[int]
 
 
+class AdapterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A LoRA adapter as the target of an update (PEFT's names and config).
+
+    The update's tensors are the adapter's (`base_model.model...lora_A.weight` names); the engine
+    adds the adapter under `name`/`id`, or replaces the weights of the one it already holds.
+    """
+
+    name: str
+    id: int
+    rank: int
+    alpha: float
+    target_modules: list[str]
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
     """Receiver -> sender once it has joined: who it is and what it can take."""
 
@@ -85,6 +99,8 @@ class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
     tensors: list[TensorSpec]
     full: bool = False
     force: bool = False
+    adapter: AdapterSpec | None = None
+    """None: the update replaces base weights; else it adds or replaces this LoRA adapter."""
 
 
 class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fields=True):

@@ -31,7 +31,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -45,6 +45,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
+    AdapterSpec,
     BucketHeader,
     Commit,
     Error,
@@ -100,6 +101,8 @@ class ReceiverState:
     last_seconds: float = 0.0
     last_error: str = ""
     history: list[dict] = field(default_factory=list)
+    adapters: dict[str, int] = field(default_factory=dict)
+    """Version of the last committed update of each LoRA adapter, by adapter name."""
 
 
 @dataclass(slots=True)
@@ -122,6 +125,8 @@ class _Update:
     sums: list[Any] = field(default_factory=list)
     """Per bucket: the checksum of what arrived (int on CPU, a 0-d GPU tensor on CUDA)."""
     staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    adapter: AdapterSpec | None = None
+    """The LoRA adapter this update targets (None: base weights)."""
     t0: float = 0.0
 
 
@@ -140,16 +145,20 @@ class Receiver:
         reference: Reference | None = None,
         state: ReceiverState | None = None,
         require_checksums: bool | None = None,
+        adapters: Callable[[AdapterSpec], WeightLoader] | None = None,
     ) -> None:
         """Join as `rank`; `reference` (the engine's tensors) lets plans and headers be checked
         against the model before any byte moves; `state` carries what the worker holds across
         re-joins (a re-joined worker must not forget that its weights are inconsistent);
-        `require_checksums` (default: `require_checksums_default()`) refuses unchecked buckets."""
+        `require_checksums` (default: `require_checksums_default()`) refuses unchecked buckets;
+        `adapters` gives the loader of an update whose plan targets a LoRA adapter (None: such
+        updates are refused)."""
         if rank == 0:
             raise ValueError("rank 0 is the sender")
         self.cfg = cfg
         self.rank = rank
         self.reference = reference
+        self.adapters = adapters
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)
         self._broken = ""  # a failure that left this receiver out of step with the group
@@ -284,11 +293,24 @@ class Receiver:
             else:
                 log.info("skipping a stale %s before the next update", type(msg).__name__)
 
+    def _held(self, adapter: AdapterSpec | None) -> int:
+        """The version this worker holds of the update's target (base weights or an adapter)."""
+        if adapter is None:
+            return self.state.version
+        return self.state.adapters.get(adapter.name, -1)
+
     def _plan_problem(self, plan: Plan) -> str:
         """Why this receiver refuses `plan` ("" if it accepts it)."""
-        if plan.version <= self.state.version and not plan.force:
-            return (f"rank {self.rank} refused update {plan.version}: it holds version "
-                    f"{self.state.version} (push with force=True to go back)")
+        what = "" if plan.adapter is None else f" of adapter {plan.adapter.name!r}"
+        held = self._held(plan.adapter)
+        if plan.version <= held and not plan.force:
+            return (f"rank {self.rank} refused update {plan.version}{what}: it holds version "
+                    f"{held} (push with force=True to go back)")
+        if plan.adapter is not None:
+            if self.adapters is None:
+                return (f"rank {self.rank} refused adapter {plan.adapter.name!r}: this engine "
+                        "takes no LoRA adapters (start it with enable_lora=True)")
+            return ""  # the adapter loader checks names and shapes in `begin`
         if self.reference is None:
             return ""
         problems = self.reference.problems(plan.tensors, plan.full)
@@ -466,6 +488,9 @@ class Receiver:
         try:
             plan, header = self._first(timeout_s or self.cfg.timeout_s)
             u.version, u.staged, u.t0 = header.version, header.staged, time.perf_counter()
+            if plan is not None and plan.adapter is not None:
+                assert self.adapters is not None  # `_plan_problem` refused it otherwise
+                u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
             with self.transport.armed(self._verdict_s, f"update {u.version}"):
                 self._buckets(plan, header, loader, re, u)
         except Exception as e:  # noqa: BLE001 - a failed update must never take the engine down
@@ -473,7 +498,11 @@ class Receiver:
                 log.exception("update %d failed on rank %d", u.version, self.rank)
             return self._failed(e, u, loader)
         st = self.state
-        st.version, st.consistent, st.updates = u.version, True, st.updates + 1
+        if u.adapter is not None:
+            st.adapters[u.adapter.name] = u.version
+        else:
+            st.version, st.consistent = u.version, True
+        st.updates += 1
         st.bytes += u.nbytes
         st.last_seconds = time.perf_counter() - u.t0
         return self._summary(ok=True, seq=u.seq, nbytes=u.nbytes, tensors=u.ntensors,
@@ -587,7 +616,7 @@ class Receiver:
                 loader.abort()
             except Exception:  # noqa: BLE001
                 log.exception("loader.abort() failed")
-        if u.exposed:
+        if u.exposed and u.adapter is None:  # an adapter loader's `abort` undoes its own work
             self.state.consistent = False
         error = str(e) if u.failed is None or u.failed in str(e) else f"{u.failed}; then: {e}"
         return self._summary(ok=False, error=clip(error), seq=u.seq, nbytes=u.nbytes)

@@ -48,6 +48,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
+    AdapterSpec,
     BucketHeader,
     Commit,
     Error,
@@ -300,6 +301,7 @@ class PushClient:
         force: bool = False,
         full: bool = False,
         staged: bool = False,
+        adapter: AdapterSpec | None = None,
     ) -> PushResult:
         """Send one complete update; returns once every receiver of every engine committed it.
 
@@ -314,6 +316,8 @@ class PushClient:
         version only once all acknowledged. Raises `PushError` if any side failed; every live
         receiver then ends the update the same way (none is left inside a collective: on a
         timeout the NCCL communicator is aborted and this client must be replaced).
+        `adapter`: the tensors are this LoRA adapter's (a mapping only); receivers add it or
+        replace the weights of the adapter of that name, and version it on its own.
         """
         if self.transport is None:
             raise RuntimeError("call connect() before push()")
@@ -327,10 +331,12 @@ class PushClient:
                             "bucket_checksums=False")
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype else (lambda t: t)
         plan = None
+        if adapter is not None and not isinstance(named_tensors, Mapping):
+            raise TypeError("an adapter update takes a mapping of its tensors, not a stream")
         if isinstance(named_tensors, Mapping):
             items = [(n, cast(t)) for n, t in _without_aliases(named_tensors)]
             specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
-            plan = Plan(PROTOCOL_VERSION, version, specs, full, force)
+            plan = Plan(PROTOCOL_VERSION, version, specs, full, force, adapter)
             produce = self._planned(items)
         else:
             produce = self._streamed(_each(named_tensors, cast))
