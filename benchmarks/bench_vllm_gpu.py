@@ -28,7 +28,11 @@ holding random bf16 weights under the HF names. Methods, in one run, on the same
                started after the first one is shut down: a separate block, compared with raw
                from the first engine.
 
-`--methods` picks a subset (raw always runs: it is the ratio's reference).
+`--methods` picks a subset (raw always runs: it is the ratio's reference). `--bucket-mib 512,256`
+runs one block per bucket size, in that order, on the same engine: each block joins this project's
+sender and receivers afresh (new groups, new buffers), interleaves raw with the methods at that
+size, checks them bit for bit, and reports its ratios against its own raw (rows carry `series`).
+`benchmarks/robustness.py` runs this script several times as separate invocations.
 
 Every update is timed on this process's clock, start to finish: from telling the trainer to send
 until the engine-side calls returned and the engine's GPU work is done (`torch.cuda.synchronize`).
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+T0 = time.perf_counter()  # the run's wall time counts from here (reported as `wall_s`)
 MiB = 1 << 20
 METHODS = ("raw", "ours", "vllm_packed", "vllm_per_tensor", "ours_vllm_api")
 
@@ -525,9 +531,21 @@ def timed(drv: Driver, methods: list[tuple[str, int]], reps: int) -> dict:
     return runs
 
 
+def add_ratios(rows: list[dict]) -> None:
+    """Give every row `ratio_to_raw` (raw's median over the row's) and `vs_vllm_packed`, both
+    against the rows of its own block (`series`); rows outside a block against the first one."""
+    def ref(method: str, series: int | None) -> float | None:
+        same = [r for r in rows if r["method"] == method and r.get("series") == series]
+        return (same or [r for r in rows if r["method"] == method] or [{}])[0].get("median_s")
+
+    for r in rows:
+        raw, vp = ref("raw", r.get("series")), ref("vllm_packed", r.get("series"))
+        r["ratio_to_raw"] = raw / r["median_s"]
+        r["vs_vllm_packed"] = vp / r["median_s"] if vp else None
+
+
 def table(rep: dict) -> str:
-    raw = next(r for r in rep["rows"] if r["method"] == "raw")["median_s"]
-    vp = next((r["median_s"] for r in rep["rows"] if r["method"] == "vllm_packed"), None)
+    add_ratios(rep["rows"])
     gb = rep["model"]["bytes"] / 1e9
     lines = [f"Model: {gb:.2f} GB bf16, {rep['model']['tensors']} tensors "
              f"(Qwen2-7B dims, {rep['model']['layers']} layers, untied).", "",
@@ -535,19 +553,44 @@ def table(rep: dict) -> str:
              "| engine extra GPU mem (kept + peak in update) | bit-exact |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rep["rows"]:
-        vs = f"{vp / r['median_s']:.2f}x" if vp else "-"
+        vs = f"{r['vs_vllm_packed']:.2f}x" if r["vs_vllm_packed"] else "-"
         kept, peak = r["kept_bytes"], r["peak_extra_bytes"]
         mem = "-" if r["method"] == "raw" else (
             f"{(kept + peak) / 2**30:.2f} GiB ({kept / 2**30:.2f} + {peak / 2**30:.2f})")
         bucket = "-" if r["method"] in ("raw", "vllm_per_tensor") else size_text(r["bucket"])
+        if "series" in r and bucket == "-":  # several blocks: say which one
+            bucket = f"- ({size_text(r['bucket'])} block)"
         exact = {True: "yes", False: "NO", None: "-"}[r.get("exact")]
         lines.append(
             f"| {r['method']}{' (separate block)' if r.get('block') else ''}"
             f"{' (2nd engine)' if r.get('engine') == 2 else ''} | {bucket} "
             f"| {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f} "
-            f"| {gb / r['median_s']:.0f} | {raw / r['median_s']:.3f} "
+            f"| {gb / r['median_s']:.0f} | {r['ratio_to_raw']:.3f} "
             f"| {vs} | {mem} | {exact} |")
     return "\n".join(lines)
+
+
+def main_block(drv: Driver, bucket: int, series: int | None) -> list[dict]:
+    """raw and the chosen methods at `bucket`, interleaved, after this project's sender and
+    receiver joined afresh; then each method's bit-exact check. `series`: the block's index when
+    the run has several bucket sizes (each block's ratios are against its own raw)."""
+    drv.join_ours(bucket)
+    main = [("raw", bucket)] + [(m, bucket) for m in ("ours", "vllm_packed", "vllm_per_tensor")
+                                if m in drv.args.methods]
+    runs = timed(drv, main, drv.args.reps)
+    drv.llm.collective_rpc("bench_free_raw")
+    if drv.gpu:
+        drv.torch.cuda.empty_cache()
+    checks = {m: drv.verify(*m) for m in main if m[0] != "raw"}
+    rows = []
+    for m in main:
+        kept = drv.persistent[f"ours@{bucket}"] if m[0] == "ours" else (
+            drv.persistent["vllm"] if m[0].startswith("vllm") else 0)
+        rows.append({"method": m[0], "bucket": m[1], "kept_bytes": kept, **stats(runs[m]),
+                     **({"series": series} if series is not None else {}),
+                     **({"exact": checks[m]["exact"], "check": checks[m]} if m in checks
+                        else {})})
+    return rows
 
 
 def env_info() -> dict:
@@ -608,33 +651,23 @@ def driver(args) -> dict:
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
     proc = subprocess.Popen(cmd, env=env)
     error = None
+    path = tempfile.mkdtemp(prefix="bench-vllm-")
     try:
-        path = save_config(tempfile.mkdtemp(prefix="bench-vllm-"), args.layers)
+        save_config(path, args.layers)
         t0 = time.perf_counter()
         # vLLM's NCCL transfer needs CUDA: the CPU smoke's first engine has no backend
         llm = start_engine(args, path, None if args.cpu_smoke else "nccl")
         startup = time.perf_counter() - t0
-        bucket = int(args.bucket_mib * MiB)
+        buckets = [int(mib * MiB) for mib in args.bucket_mib]
+        bucket = buckets[0]
         drv = Driver(args, llm, sock, {})
         drv.info = drv.wait(600)  # the trainer's weights and expected checksums
         drv.names, drv.shapes = drv.info["names"], drv.info["shapes"]
-        drv.join_ours(bucket)
-        main = [("raw", bucket)] + [(m, bucket) for m in ("ours", "vllm_packed", "vllm_per_tensor")
-                                    if m in args.methods]
-        if any(m.startswith("vllm") for m, _ in main):
+        if any(m.startswith("vllm") for m in args.methods):
             drv.join_vllm()
-        runs = timed(drv, main, args.reps)
-        llm.collective_rpc("bench_free_raw")
-        if not args.cpu_smoke:
-            torch.cuda.empty_cache()
-        checks = {m: drv.verify(*m) for m in main if m[0] != "raw"}
         rows = []
-        for m in main:
-            kept = drv.persistent[f"ours@{bucket}"] if m[0] == "ours" else (
-                drv.persistent["vllm"] if m[0].startswith("vllm") else 0)
-            rows.append({"method": m[0], "bucket": m[1], "kept_bytes": kept, **stats(runs[m]),
-                         **({"exact": checks[m]["exact"], "check": checks[m]} if m in checks
-                            else {})})
+        for series, b in enumerate(buckets):  # one block per bucket size, each a fresh sender
+            rows += main_block(drv, b, series if len(buckets) > 1 else None)
         for mib in args.extra_ours_mib if "ours" in args.methods else []:
             b = int(mib * MiB)  # other bucket sizes for ours, after the main block
             drv.join_ours(b)
@@ -676,6 +709,7 @@ def driver(args) -> dict:
         report = {
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "env": env_info(), "engine_startup_s": startup, "engine2_startup_s": startup2,
+            "buckets": buckets, "wall_s": time.perf_counter() - T0,
             "model": {"bytes": specs["nbytes"], "tensors": len(specs["names"]),
                       "layers": args.layers, "dims": DIMS},
             "reps": args.reps, "methods": args.methods, "rows": rows,
@@ -684,6 +718,7 @@ def driver(args) -> dict:
         report["table"] = table(report)
         return report
     finally:
+        shutil.rmtree(path, ignore_errors=True)
         try:  # a trainer left mid-call by a failure is not waited for
             proc.wait(timeout=30 if error is None else 1)
         except subprocess.TimeoutExpired:
@@ -694,8 +729,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="driver", choices=["driver", "trainer"])
     ap.add_argument("--layers", type=int, default=14, help="Qwen2-7B layers (14: 8.7 GB)")
-    ap.add_argument("--bucket-mib", type=float, default=1024,
-                    help="bucket of ours and vllm_packed (fractions for --cpu-smoke)")
+    ap.add_argument("--bucket-mib", default="1024",
+                    help="bucket of ours and vllm_packed (fractions for --cpu-smoke); a comma "
+                         "list runs one block per size, in that order")
     ap.add_argument("--extra-ours-mib", default="512", help="more bucket sizes for ours (comma)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--compile", action="store_true", help="engine with torch.compile + graphs")
@@ -714,7 +750,10 @@ def main() -> None:
         DIMS.update(SMOKE_DIMS)
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
             os.environ.setdefault(k, v)
+    args.bucket_mib = [float(x) for x in args.bucket_mib.split(",") if x]
     args.extra_ours_mib = [float(x) for x in args.extra_ours_mib.split(",") if x]
+    if not args.bucket_mib:
+        ap.error("--bucket-mib needs at least one size")
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:

@@ -3,7 +3,8 @@
 Each script runs as a subprocess (its own session, killed whole at the deadline: an upper bound
 for a loaded machine, not an expectation) and must exit 0 and print its result lines, with every
 mode that it checks bit for bit reported exact. Typical times on a 2-core machine: bench_nccl
-~15 s, bench_vllm_gpu ~30 s (two engines), fault_matrix (one scenario) ~2 min.
+~15 s, bench_vllm_gpu ~30 s (two engines), robustness ~50 s (two engines, one at a time),
+bench_pause ~50 s (one AsyncLLM engine), fault_matrix (one scenario) ~2 min.
 """
 
 from __future__ import annotations
@@ -96,6 +97,63 @@ def test_bench_vllm_gpu_cpu_smoke(tmp_path):
         assert not (x["check"]["mismatched"] or x["check"]["missing"]
                     or x["check"]["unexpected"]), x["check"]
     assert r["model"]["tensors"] == 27
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_robustness_cpu_smoke(tmp_path):
+    """Two calls of one invocation each, the second appending: the split a GPU batch uses."""
+    path, md = tmp_path / "rob.json", tmp_path / "rob.md"
+    for _ in range(2):
+        out = run_script(["benchmarks/robustness.py", "--cpu-smoke", "--invocations", "1",
+                          "--reps", "2", "--out", str(path), "--md", str(md),
+                          "--log", str(tmp_path / "rob.log")], deadline_s=420)
+        assert "invocation" in out and "ERROR" not in out, out[-4000:]
+    r = json.loads(path.read_text())
+    assert len(r["commands"]) == 2 and len(r["invocations"]) == 2
+    # one engine per invocation, both bucket sizes in it, the block order rotated
+    assert [i["bucket_order"] for i in r["invocations"]] == [[64 << 10, 128 << 10],
+                                                            [128 << 10, 64 << 10]]
+    for inv in r["invocations"]:
+        assert inv["rc"] == 0 and "error" not in inv and inv["wall_s"] > 0, inv
+        raws = [x for x in inv["rows"] if x["method"] == "raw"]
+        assert sorted(x["series"] for x in raws) == [0, 1]  # a raw reference in each block
+    cells = {c["bucket"]: c for c in r["summary"]}
+    assert set(cells) == {64 << 10, 128 << 10}
+    for c in cells.values():  # every bucket measured by both invocations, each bit-exact
+        assert c["invocations"] == 2 and len(c["ours_ratio_to_raw"]) == 2, c
+        assert c["ours_min"] == min(c["ours_ratio_to_raw"]) <= c["ours_median"], c
+        assert c["bit_exact"] and c["model"] == "smoke", c
+    assert "| smoke | 64 KiB | 2 |" in md.read_text()
+    merged = tmp_path / "merged.json"  # merging a file with itself adds nothing
+    run_script(["benchmarks/robustness.py", "--merge", str(path), str(path), "--out",
+                str(merged)], deadline_s=60)
+    assert json.loads(merged.read_text())["summary"] == r["summary"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_bench_pause_cpu_smoke(tmp_path):
+    """AsyncLLM serving two streaming clients, two updates paused with `keep`."""
+    path = tmp_path / "pause.json"
+    out = run_script(["benchmarks/bench_pause.py", "--cpu-smoke", "--updates", "2",
+                      "--json", str(path)], deadline_s=420)
+    assert re.search(r"^\| keep \| [\d.]+ \(", out, re.M), out[-4000:]
+    r = json.loads(path.read_text())
+    assert r["exact"] and not r["mismatched"]  # zeroed, then one update refilled every byte
+    assert r["requests"]["short"] == [] and set(r["requests"]["finished"]) <= {"length"}
+    assert [u["version"] for u in r["updates"]] == [1, 2]
+    for u in r["updates"]:
+        assert "error" not in u and u["buckets"] > 1, u
+        ph = u["phases_s"]
+        assert None not in ph.values(), ph  # every engine call of the update was seen
+        for causal in ("pause", "to_push", "push", "reset_prefix_cache", "resume"):
+            assert ph[causal] >= 0, (causal, ph)
+        # each client's own gap around the push contains the engine-wide one
+        assert 0 < u["stall_s"] <= u["client_stall_s"]["median"] + 1e-9, u
+        assert abs(sum(ph.values()) - u["stall_s"]) < 1e-6
+        assert len(u["rx_s"]) == 1 and u["rx_s"][0] > 0
+    assert r["summary"]["keep"]["updates"] == 2
 
 
 @pytest.mark.vllm

@@ -155,3 +155,40 @@ def test_stream_packer_matches_the_plan_and_holds_one_tensor():
     assert [s for s, _ in got] == [s for s, _ in want]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
     assert peak[0] <= 1, peak
+
+
+def test_oversize_tensors_are_cut_on_whole_rows_and_loaded_by_rows():
+    """Chunks of a tensor larger than a bucket are whole rows of dim 0 (28-byte rows here, which
+    do not divide the capacity); a `RowLoader` gets them in order, in place, and nothing is
+    staged; a loader that declines gets the reassembled tensor instead."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(300, 7, generator=g)
+    small = torch.randn(5, generator=g)
+    cap = 1024
+    buckets = list(plan_buckets([("small", small), ("big", big)], cap))
+    chunks = [s for b in buckets for s in b.slots if s.name == "big"]
+    assert len(chunks) > 8 and all(s.start % 28 == 0 and s.nbytes % 28 == 0 for s in chunks)
+    assert all(b.length <= cap for b in buckets)
+    for takes in (True, False):
+        out = torch.zeros_like(big)
+        calls = []
+
+        def load_rows(name, rows, first, shape):
+            calls.append((name, first, rows.shape[0]))
+            if takes:
+                out[first : first + rows.shape[0]] = rows
+            return takes
+
+        re, got = Reassembler(load_rows), {}
+        for k, b in enumerate(buckets):
+            buf = torch.zeros(cap, dtype=torch.uint8)
+            wire = pack(b, buf)
+            for n, t in re.unpack(b.header(1, k, k == len(buckets) - 1, PROTOCOL_VERSION), wire):
+                got[n] = t.clone()
+        re.finish()
+        assert torch.equal(got["small"], small)
+        if takes:
+            assert "big" not in got and torch.equal(out, big) and re.loaded_by_rows == 1
+            assert [c[1] for c in calls] == [s.start // 28 for s in chunks]
+        else:
+            assert torch.equal(got["big"], big) and calls == [("big", 0, chunks[0].nbytes // 28)]

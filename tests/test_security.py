@@ -38,9 +38,11 @@ from vllm_nccl_sync.protocol import (
     Ack,
     BucketHeader,
     Commit,
+    Digest,
     Error,
     Go,
     Hello,
+    Plan,
     ProtocolError,
     Ready,
     Seal,
@@ -276,8 +278,8 @@ def _update(version: int) -> list:
     `_StandIn` broadcasts: the bytes 7, hence the checksum)."""
     (b,) = plan_buckets([("w", torch.ones(4))], 1024)
     digest = checksum(torch.full((b.length,), 7, dtype=torch.uint8))
-    return [b.header(version, 0, True, P), Go(P, version, 0, digest),
-            Seal(P, version, 1, [digest]), Commit(P, version, 1)]
+    return [Plan(P, version, [], buckets=[b.header(version, 0, True, P)]), Go(P, version, 0),
+            Digest(P, version, 0, digest), Seal(P, version, 1, [digest]), Commit(P, version, 1)]
 
 
 def _seal(secret, sid, epoch, counter, rank, payload, direction=channel._TO_RECEIVER):
@@ -373,7 +375,7 @@ def test_replayed_frames_are_dropped_by_the_receiver(monkeypatch):
         for_other = [f for f in tap.frames if f[0] == other.channel.session]
         h2, *rest2 = _update(2)
         trainer.send(1, h2)
-        for f in captured:  # the whole of update 1 again, between the header and Go of update 2
+        for f in captured:  # the whole of update 1 again, between the plan and Go of update 2
             tap._real(f)
         for f in for_other:  # another session's frames, pushed into this receiver's connection
             tap._real([rx.channel.session, *f[1:]])

@@ -39,3 +39,27 @@ def test_external_launcher_ranks_already_span_replicas():
 def test_rank_offset_must_leave_rank_zero_to_the_trainer():
     with pytest.raises(ValueError, match="rank 0 is the trainer"):
         worker_rank(_config(1, 1, 1, 0, 0), 0)
+
+
+def test_context_parallel_counts_through_world_size():
+    """Prefill context parallelism multiplies vLLM's world_size: ranks stay unique and dense
+    (computed from world_size and rank, never from TP x PP)."""
+    tp, pcp, dp = 2, 2, 2
+    seen = set()
+    for replica in range(dp):
+        for local in range(tp * pcp):
+            cfg = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                  prefill_context_parallel_size=pcp, world_size=tp * pcp,
+                                  rank=local, data_parallel_index=replica,
+                                  distributed_executor_backend="mp")
+            where = worker_rank(cfg, 1)
+            assert where.tp_rank == local % tp
+            seen.add(where.rank)
+    assert sorted(seen) == list(range(1, 1 + tp * pcp * dp))
+
+
+def test_replica_from_data_parallel_rank_without_index():
+    """vLLM 0.26's ParallelConfig has data_parallel_rank only."""
+    cfg = SimpleNamespace(tensor_parallel_size=1, world_size=1, rank=0, data_parallel_rank=2,
+                          distributed_executor_backend=None)
+    assert worker_rank(cfg, 1).rank == 3 and worker_rank(cfg, 1).replica == 2

@@ -7,7 +7,8 @@ confirmation that everything is in place:
 
   raw   one broadcast of a contiguous buffer of the payload's size (the link's ceiling here)
   push  `PushClient.push` of the synthetic model's tensors -> `Receiver.receive` into
-        preallocated tensors (`ModuleLoader`), headers, Ready/Go, loads and acks included
+        preallocated tensors (`ModuleLoader`): the plan and its agreement, every bucket's
+        checksum on both sides, the loads and the commit round included
 
 Raw and push alternate, so drift hits both. After the last push, every received tensor is
 checked bit for bit (sha256) against the trainer's. `benchmarks/bench_nccl.py` is the full

@@ -125,3 +125,29 @@ class HTTPHandle:
     def resume(self) -> None:
         self._post("/reset_prefix_cache?reset_running_requests=true")
         self._post("/resume")
+
+    def register_adapter(self, name: str) -> None:
+        """Make the server's OpenAI routes serve LoRA adapter `name` (pushed into its workers)
+        as `"model": name`, once: `POST /v1/load_lora_adapter` with the adapter's in-memory
+        path. Needs a server started with `--enable-lora` and
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        from .patches.vllm_lora import SCHEME
+
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=self._timeout) as r:
+            served = {m.get("id") for m in json.loads(r.read()).get("data", [])}
+        if name in served:
+            return
+        body = json.dumps({"lora_name": name, "lora_path": SCHEME + name}).encode()
+        req = urllib.request.Request(self.url + "/v1/load_lora_adapter", data=body,
+                                     method="POST", headers={"Content-Type": "application/json"})
+        try:  # answers plain text on success
+            urllib.request.urlopen(req, timeout=self._timeout).close()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"registering adapter {name!r} -> HTTP {e.code} (is the server "
+                               "started with --enable-lora and "
+                               f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?): {detail}") from None

@@ -18,6 +18,7 @@ class Ext:
 
     _nccl_sync: Any = None  # (Receiver, VllmWeightLoader) once joined
     _nccl_sync_held: Any = None  # ReceiverState: outlives re-joins
+    _nccl_sync_lora: Any = None  # lora.AdapterStore (LoRA engines only): outlives re-joins
 
     def _nccl_sync_state_obj(self) -> Any:
         from .receiver import ReceiverState
@@ -39,9 +40,27 @@ class Ext:
         if self._nccl_sync is not None:
             self.nccl_sync_close()
         receiver, where = join(SyncConfig.from_dict(cfg), rank_offset, self.vllm_config,
-                               self.device, self._nccl_sync_state_obj())
+                               self.device, self._nccl_sync_state_obj(),
+                               self._nccl_sync_adapters())
         self._nccl_sync = (receiver, VllmWeightLoader(self))
         return where.to_dict()
+
+    def _nccl_sync_adapters(self) -> Any:
+        """`AdapterStore.loader` when the engine runs with LoRA enabled, else None."""
+        if getattr(self.vllm_config, "lora_config", None) is None:
+            return None
+        if self._nccl_sync_lora is None:
+            from .lora import AdapterStore
+            from .worker_glue import reference
+
+            self._nccl_sync_lora = AdapterStore.for_worker(self, reference(self.vllm_config))
+        return self._nccl_sync_lora.loader
+
+    def nccl_sync_adapters(self) -> dict[str, Any]:
+        """Every LoRA adapter pushed into this worker: committed version, id, rank, targets."""
+        versions = self._nccl_sync_state_obj().adapters
+        held = {} if self._nccl_sync_lora is None else self._nccl_sync_lora.listing()
+        return {n: {"version": versions.get(n, -1), **h} for n, h in held.items()}
 
     def nccl_sync_receive(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Receive one update (call while the trainer pushes). Returns this worker's summary."""
@@ -63,6 +82,7 @@ class Ext:
             "bytes": st.bytes,
             "last_seconds": st.last_seconds,
             "last_error": st.last_error,
+            "adapters": dict(st.adapters),
         }
 
     def nccl_sync_param_ptrs(self) -> dict[str, int]:

@@ -1,15 +1,16 @@
 """Per-bucket integrity: a checksum of the wire bytes, computed by the sender, checked by receivers.
 
-CPU (gloo): CRC-32 of the bytes, on the host. CUDA (NCCL): a position-weighted sum of the bytes'
-32-bit words, computed on the GPU into a 0-d tensor (`checksum_gpu`) without any host sync, so a
-whole update's checksums are read back once; copying a bucket to the host to hash it would cost
-more than the transfer. Both sides of one group use the same device type, hence the same function.
+Both are position-weighted sums of the bytes' words (wrap-around integer arithmetic), so a changed
+word changes the sum and a swap or shift changes the weights it meets. CPU (gloo, `checksum`): the
+64-bit words as rows of `_CPU_COLS`, each row a dot product with odd weights (one matrix-vector
+product, one read of the data: about 3x the speed of CRC-32 here, so it keeps up with a loopback
+broadcast), then the row results weighted by their positions. CUDA (NCCL, `checksum_gpu`): 32-bit
+words, computed on the GPU into a 0-d tensor without any host sync, so a whole update's checksums
+are read back once. Both sides of one group use the same device type, hence the same function.
 Values are positive and below 2**63 and never 0 (0 means "no checksum" on the wire).
 """
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 
@@ -53,6 +54,33 @@ def checksum_gpu(data: torch.Tensor) -> torch.Tensor:
     return (((acc & _MASK) ^ data.numel()) << 1) | 1
 
 
+_CPU_COLS = 1024  # 64-bit words per row of the CPU checksum (8 KiB: rows stay in cache)
+
+
+def _odd(n: int) -> torch.Tensor:
+    """1, 3, 5, ... (n values) as int64 on the CPU (cached): odd weights, so no change of a word
+    can be multiplied away modulo 2**64."""
+    return _ramp(n, torch.device("cpu")) * 2 - 1 if n > _CPU_COLS else _ODD[:n]
+
+
 def checksum(data: torch.Tensor) -> int:
-    """Checksum of a flat uint8 CPU tensor (CRC-32); CUDA buckets use `checksum_gpu`."""
-    return (zlib.crc32(memoryview(data.numpy())) << 1) | 1
+    """Checksum of a flat uint8 CPU tensor (one read of the data); CUDA uses `checksum_gpu`."""
+    if data.data_ptr() % 8:
+        data = data.clone()  # 64-bit words need an aligned start
+    n8 = data.numel() // 8
+    rows = n8 // _CPU_COLS
+    words = data[: n8 * 8].view(torch.int64)
+    acc = 0
+    if rows:
+        per_row = torch.mv(words[: rows * _CPU_COLS].view(rows, _CPU_COLS), _ODD)
+        acc += int((per_row * _odd(rows)).sum())
+    tail = words[rows * _CPU_COLS :]
+    if tail.numel():
+        acc += int((tail * _odd(tail.numel())).sum()) * 31
+    rest = data[n8 * 8 :]
+    if rest.numel():
+        acc += int((rest.to(torch.int64) * _odd(rest.numel())).sum()) * 1_000_003
+    return (((acc & _MASK) ^ data.numel()) << 1) | 1
+
+
+_ODD = torch.arange(1, 2 * _CPU_COLS, 2, dtype=torch.int64)

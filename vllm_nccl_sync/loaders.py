@@ -37,6 +37,18 @@ class ModuleLoader:
         self.loaded |= done
         return done
 
+    def load_rows(self, name: str, rows: torch.Tensor, first_row: int, shape: list[int]) -> bool:
+        """Copy whole rows of dim 0 of tensor `name` in place (a chunk of a tensor larger than a
+        bucket: no staging copy); False if the target is not a contiguous tensor of `shape`."""
+        target = self.targets.get(name)
+        if target is None or list(target.shape) != shape or not target.is_contiguous():
+            return False
+        with torch.no_grad():
+            target[first_row : first_row + rows.shape[0]].copy_(rows, non_blocking=True)
+        if first_row + rows.shape[0] == shape[0]:
+            self.loaded.add(name)
+        return True
+
     def finish(self) -> None:
         pass
 

@@ -4,14 +4,16 @@ A bucket is laid out as the slots of its header say: each slot's bytes start at 
 to `ALIGN` (so views of the buffer are valid, well-aligned tensors of any dtype) and the bucket's
 `length` is the end of its last slot. Padding between slots is below `ALIGN` bytes each, and there
 is none after the last one: what goes on the wire is `length` bytes, never the buffer's capacity.
-A tensor larger than the bucket capacity is cut into chunks (whole elements) spread over
-consecutive buckets and reassembled by the receiver.
+A tensor larger than the bucket capacity is cut into chunks spread over consecutive buckets: whole
+rows of its dim 0 when a row fits in a bucket (else whole elements). The receiver either hands
+whole-row chunks straight to a loader that can load rows in place (`RowLoader`), or reassembles
+the tensor first.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +70,11 @@ def _numel_exceeds(shape: list[int], limit: int) -> bool:
     return False
 
 
+def _row_bytes(shape: list[int], itemsize: int) -> int:
+    """Bytes of one row of dim 0 (one element for a 0-d or 1-d tensor, or empty rows)."""
+    return (math.prod(shape[1:]) * itemsize if len(shape) > 1 else 0) or itemsize
+
+
 @dataclass(slots=True)
 class Bucket:
     """One planned bucket: its slots and, slot for slot, the source tensors they copy from."""
@@ -98,8 +105,11 @@ def cut(
     and `None` where a bucket closes (before the slot that no longer fits).
 
     Tensors keep their order. A tensor that does not fit the rest of the current bucket starts a
-    new one; a tensor larger than `capacity` is split into whole-element chunks that fill buckets.
-    Only the tensor being cut is referenced here: the next one is pulled after it is let go.
+    new one. A tensor of at least half the capacity has buckets of its own (none shared with
+    other tensors), so a sender can broadcast it straight from its memory and a receiver can load
+    it by rows, without a copy; a tensor larger than `capacity` is split into chunks (whole rows
+    of dim 0 when one fits, else whole elements) that fill buckets. Only the tensor being cut is
+    referenced here: the next one is pulled after it is let go.
     """
     if capacity < ALIGN or capacity % ALIGN:
         raise ValueError(f"bucket capacity {capacity} must be a positive multiple of {ALIGN}")
@@ -111,22 +121,28 @@ def cut(
         del tensor
         total = flat.numel() * flat.element_size()
         itemsize = flat.element_size()
-        if nonempty and total <= capacity and align_up(used) + total > capacity:
+        alone = 2 * total >= capacity
+        if nonempty and (alone or align_up(used) + total > capacity):
             yield None
             used, nonempty = 0, False
+        unit = _row_bytes(shape, itemsize)  # chunks of an oversize tensor: whole rows if they fit
+        if unit > capacity:
+            unit = itemsize
         start = 0
         while True:
             offset = align_up(used)
-            if offset >= capacity:
+            if offset >= capacity or (start < total and capacity - offset < unit):
                 yield None
                 used, offset = 0, 0
-            room = (capacity - offset) // itemsize * itemsize
+            room = (capacity - offset) // unit * unit
             n = min(total - start, room)
             yield Slot(name, dtype, shape, offset, n, start), flat
             used, nonempty = offset + n, True
             start += n
             if start >= total:
                 break
+        if alone:  # nothing shares its last bucket either
+            used = capacity
         del flat
 
 
@@ -250,15 +266,54 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
         raise ValueError(f"bucket length {header.length} != end of its last tensor {end}")
 
 
+RowLoader = Callable[[str, torch.Tensor, int, list[int]], bool]
+"""`load_rows(name, rows, first_row, shape)`: load `rows` (whole rows of dim 0 of the full tensor
+`name` of `shape`, starting at row `first_row`) in place; False (at a tensor's first chunk) if
+this tensor cannot be loaded piecewise, so it is reassembled instead."""
+
+
 class Reassembler:
     """Turns received buckets back into whole named tensors (views of the buffer when possible).
 
-    A tensor split over buckets is copied into a staging tensor until its last chunk arrives;
-    chunks must arrive in order. Call `finish()` at the end to catch tensors left incomplete.
+    A tensor split over buckets goes, chunk by chunk, straight to `load_rows` when its chunks are
+    whole rows and the loader takes them (no staging copy: a receiver's extra memory stays at its
+    two buffers); otherwise it is copied into a staging tensor until its last chunk arrives.
+    Chunks must arrive in order. Call `finish()` at the end to catch tensors left incomplete.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, load_rows: RowLoader | None = None) -> None:
         self._partial: dict[str, tuple[Slot, torch.Tensor, int]] = {}
+        self._load_rows = load_rows
+        self._direct: dict[str, tuple[Slot, int]] = {}  # tensors loaded by rows: bytes so far
+        self.loaded_by_rows = 0
+        """Tensors completed through `load_rows` (they are not in `unpack`'s result)."""
+
+    def _rows(self, s: Slot, data: torch.Tensor, total: int) -> bool:
+        """Hand chunk `s` to `load_rows` if it is whole rows and the loader takes the tensor."""
+        itemsize = DTYPES[s.dtype].itemsize
+        unit = _row_bytes(s.shape, itemsize)
+        if s.start % unit or s.nbytes % unit:
+            return False
+        first, got = self._direct.get(s.name, (s, -1))
+        if got < 0 and (s.start != 0 or s.name in self._partial):
+            return False
+        if got >= 0 and (s.start != got or s.dtype != first.dtype or s.shape != first.shape):
+            raise ValueError(f"tensor {s.name!r}: chunk at byte {s.start} out of order (expected "
+                             f"{got}) or with another dtype/shape")
+        rows = data.view(DTYPES[s.dtype]).view([s.nbytes // unit, *s.shape[1:]])
+        took = self._load_rows(s.name, rows, s.start // unit, list(s.shape))
+        if got < 0 and not took:
+            return False
+        if not took:
+            raise ValueError(f"tensor {s.name!r}: the loader took its first rows, then refused "
+                             f"rows from byte {s.start}")
+        got = max(got, 0) + s.nbytes
+        if got == total:
+            self._direct.pop(s.name, None)
+            self.loaded_by_rows += 1
+        else:
+            self._direct[s.name] = (first, got)
+        return True
 
     def unpack(self, header: BucketHeader, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The tensors completed by this bucket, as `(name, tensor)`; views of `buf` if whole."""
@@ -268,10 +323,14 @@ class Reassembler:
             total = tensor_nbytes(s.dtype, s.shape)
             data = buf[s.offset : s.offset + s.nbytes]
             if s.start == 0 and s.nbytes == total:
-                if s.name in self._partial:
+                if s.name in self._partial or s.name in self._direct:
                     raise ValueError(f"tensor {s.name!r}: sent whole while chunks are pending")
                 out.append((s.name, data.view(dtype).view(s.shape)))
                 continue
+            if self._load_rows is not None and self._rows(s, data, total):
+                continue
+            if s.name in self._direct:
+                raise ValueError(f"tensor {s.name!r}: a chunk of rows that is not whole rows")
             first, staging, got = self._partial.get(s.name, (s, None, 0))
             if staging is None:
                 if s.start != 0:
@@ -297,6 +356,6 @@ class Reassembler:
 
     def finish(self) -> None:
         """Raise if a chunked tensor is still incomplete at the end of an update."""
-        if self._partial:
-            names = ", ".join(sorted(self._partial))
+        if self._partial or self._direct:
+            names = ", ".join(sorted([*self._partial, *self._direct]))
             raise ValueError(f"update ended with incomplete tensors: {names}")

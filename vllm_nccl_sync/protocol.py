@@ -6,30 +6,36 @@ plain records: no pickle, nothing executable. Each message carries `protocol`.
 
 One update (sender S, every receiver R):
 
-    S -> R  Plan | -               optional: every tensor of the update, checked before any byte
-    R -> S  Ready(-1) | Error
-    per bucket k:
-    S -> R  BucketHeader(k)        what bucket k holds and its exact byte `length`
-    R -> S  Ready(k) | Error       the receiver checked the header against its buffer and model
-    S -> R  Go(k) | Abort          every receiver said Ready: the collective for k may start
-    S => R  broadcast of exactly `length` bytes (data plane)
+    S -> R  Plan                   every tensor (a state dict) and the headers of the buckets
+                                   known up front: all of them for a state dict, the first
+                                   `window` for a stream
+    R -> S  Ready(k) | Error       every header up to k checked against the buffer and the model
+    S -> R  Go(k) | Abort          every receiver said Ready(k): the collectives up to k will run
+    stream only, while buckets flow: S -> R BucketHeader(j); R -> S Ready(j); S -> R Go(j)
+    per bucket k, back to back, no round trip:
+    S => R  broadcast of exactly header k's `length` bytes (data plane)
+    S -> R  Digest(k)              gloo only: its checksum, computed while the bytes fly; the
+                                   receiver checks it before loading anything from bucket k
     then the commit round:
-    S -> R  Seal                   how many buckets there were and each one's checksum
+    S -> R  Seal | Abort           how many buckets there were and each one's checksum
     R -> S  Ack(phase 1) | Error   everything arrived and verified (in place: and is loaded)
     S -> R  Commit(1) | Abort      every receiver of every engine acknowledged
     staged updates only:           R loads now; Ack(phase 2) | Error; S -> R Commit(2) | Abort
 
-A receiver never enters a collective before it has seen `Go` for that bucket, so a disagreement
-becomes an `Error` + `Abort` on every side instead of a hang. A receiver stamps the update's
-version only on the last `Commit`: an engine never reports a version that some of its workers do
-not hold.
+`Ready` and `Go` are cumulative: `Go(k)` covers every bucket up to k. A receiver never enters a
+collective that no `Go` covers, and the sender posts every collective a `Go` covers, whatever
+happens afterwards: a disagreement becomes an `Error` + `Abort` on every side instead of a hang,
+and a side that fails after `Go` still joins every collective it agreed to, then fails the update
+(an `Error` at once, the sender's `Abort` after the last agreed collective). A receiver stamps the
+update's version only on the last `Commit`: an engine never reports a version that some of its
+workers do not hold.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on every incompatible change of these messages."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -87,24 +93,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     """This receiver refuses buckets that no sender checksum covers (its own policy)."""
 
 
-class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
-    """Sender -> receivers, before bucket 0 when the tensors are known up front (a state dict).
-
-    Each receiver checks it against its model and answers `Ready(seq=-1)` or `Error`, so a wrong
-    model is refused before any byte moves. `full`: the plan claims to cover the whole model.
-    """
-
-    protocol: int
-    version: int
-    tensors: list[TensorSpec]
-    full: bool = False
-    force: bool = False
-    adapter: AdapterSpec | None = None
-    """None: the update replaces base weights; else it adds or replaces this LoRA adapter."""
-
-
 class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fields=True):
-    """Sender -> receivers: bucket `seq` of update `version` is `length` bytes holding `slots`."""
+    """Bucket `seq` of update `version` is `length` bytes holding `slots`: inside the `Plan`, or
+    sender -> receivers on its own for the later buckets of a stream."""
 
     protocol: int
     version: int
@@ -118,8 +109,32 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
 
 
+class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers: opens every update. `tensors`: every tensor of a state dict (empty
+    for a stream); `buckets`: the headers known up front (seq 0, 1, ...; all of them for a state
+    dict, the first window for a stream, whose later headers follow as `BucketHeader`s).
+
+    Each receiver checks the tensors and every header against its buffer and model, and answers
+    once: `Ready(seq=last header)` or `Error`, so a wrong model is refused before any byte moves.
+    `full`: the plan claims to cover the whole model.
+    """
+
+    protocol: int
+    version: int
+    tensors: list[TensorSpec]
+    full: bool = False
+    force: bool = False
+    adapter: AdapterSpec | None = None
+    """None: the update replaces base weights; else it adds or replaces this LoRA adapter."""
+    buckets: list[BucketHeader] = []
+    """Headers of buckets 0, 1, ... of this update (at least bucket 0)."""
+    staged: bool = False
+    """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
+
+
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):
-    """Receiver -> sender: header `seq` is valid and the receiver will join its collective."""
+    """Receiver -> sender: every header up to `seq` is valid; the receiver will join their
+    collectives once a `Go` covers them."""
 
     protocol: int
     rank: int
@@ -128,17 +143,24 @@ class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True
 
 
 class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
-    """Sender -> receivers: every receiver is ready; the collective for `seq` starts now.
-
-    `checksum` (0: none) is `integrity.checksum` of the bucket's wire bytes when the sender has it
-    on the host already (gloo); a receiver then checks it before loading anything from the bucket.
-    On NCCL the checksums come in the `Seal` (computed on the GPU, read once per update).
-    """
+    """Sender -> receivers: every receiver is ready for every bucket up to `seq`; their
+    collectives will all be posted, in order, whatever happens afterwards."""
 
     protocol: int
     version: int
     seq: int
-    checksum: int = 0
+
+
+class Digest(msgspec.Struct, tag="digest", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers on gloo, after bucket `seq`'s collective was posted: `checksum`
+    (`integrity.checksum`, 0: none) of its wire bytes, computed while they fly. A receiver checks
+    it before loading anything from the bucket. On NCCL the checksums come in the `Seal` only
+    (computed on the GPU, read once per update)."""
+
+    protocol: int
+    version: int
+    seq: int
+    checksum: int
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -196,7 +218,7 @@ class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True
     version: int = -1
 
 
-Message = Hello | Plan | BucketHeader | Ready | Go | Abort | Seal | Ack | Commit | Error
+Message = Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

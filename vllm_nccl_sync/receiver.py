@@ -1,25 +1,30 @@
 """Receiver: one worker's side of an update (engine-agnostic; the vLLM glue lives in `ext`).
 
-Per bucket: header (control plane) -> checked -> `Ready` -> `Go` -> exactly `length` bytes by
-broadcast into one of two preallocated buffers -> views handed to a `WeightLoader`. The header
-of bucket k+1 is read and answered while bucket k is on the wire. After the last bucket comes the
-commit round (see `protocol`): the sender's `Seal` lists every bucket's checksum, the receiver
-answers `Ack` once everything arrived and verified, and stamps the version only on `Commit`.
+The update opens with the sender's `Plan`: every bucket header of a state dict (the first window of
+a stream) is checked against the buffer and the model at once and answered with one `Ready`; one
+`Go` covers them all. Then the buckets arrive back to back: exactly `length` bytes by broadcast
+into one of two preallocated buffers, bucket k+1 posted before bucket k is checked and handed to
+a `WeightLoader`. A stream's later headers are answered as they come, between buckets. After the
+last bucket comes the commit round (see `protocol`): the sender's `Seal` lists every bucket's
+checksum, the receiver answers `Ack` once everything arrived and verified, and stamps the version
+only on `Commit`.
 
 This receiver decides integrity, not the sender: with `require_checksums` (the default; turned off
 only on the engine side, `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS=0`), a bucket that no checksum covers is
-refused. On gloo the checksum of bucket k comes in `Go` and is checked before loading; on CUDA the
-receiver computes each bucket's checksum on the GPU and compares them all once, at the `Seal`.
+refused. On gloo the checksum of bucket k comes in a `Digest` right after its collective and is
+checked before loading; on CUDA the receiver computes each bucket's checksum on the GPU and
+compares them all once, at the `Seal`.
 
-CUDA ordering: collectives are issued from a side stream that waits only for the loads that last
-read the buffer; loads run on a second side stream that waits for the collective. vLLM's own stream
-never waits on a collective: before `receive` returns, the load stream is polled to completion
-within the deadline, and a collective that will not finish gets its communicator aborted
+CUDA ordering: the host only queues work. Collectives are issued from a side stream that waits
+only for the loads that last read the buffer; loads run on a second side stream that waits for
+the collective; nothing between buckets waits on the host. vLLM's own stream never waits on a
+collective: before `receive` returns, the load stream is polled to completion within the
+deadline, and a collective that will not finish gets its communicator aborted
 (`Transport.armed`), so a dead trainer can never hang the engine or reach its compute stream.
 
-A receiver that fails keeps taking part in every collective it already agreed to, then answers the
-next header or the `Seal` with `Error`; the sender then aborts every rank the same way. A worker
-whose weights may differ from what its peers hold under the stamped version reports
+A receiver that fails tells the sender at once (`Error`) and keeps taking part in every
+collective a `Go` covers; the sender then aborts every rank the same way after the last of them.
+A worker whose weights may differ from what its peers hold under the stamped version reports
 `consistent: False` until the next complete update.
 """
 
@@ -48,6 +53,7 @@ from .protocol import (
     AdapterSpec,
     BucketHeader,
     Commit,
+    Digest,
     Error,
     Go,
     Hello,
@@ -66,7 +72,13 @@ _CANARY = 8
 
 
 class WeightLoader(Protocol):
-    """Where received tensors go. `load` must not keep references to the tensors it is given."""
+    """Where received tensors go. `load` must not keep references to the tensors it is given.
+
+    A loader may also offer `load_rows(name, rows, first_row, shape) -> bool` (see
+    `packing.RowLoader`): then the chunks of a tensor larger than a bucket are loaded as they
+    arrive, rows of dim 0 at a time, instead of being reassembled in a staging copy first; it
+    answers False at a tensor's first chunk when that tensor cannot be loaded piecewise.
+    """
 
     def begin(self) -> None: ...
 
@@ -112,6 +124,25 @@ class _Update:
     version: int = -1
     staged: bool = False
     seq: int = 0
+    """The bucket being received."""
+    headers: dict[int, BucketHeader] = field(default_factory=dict)
+    """Accepted headers of buckets not yet received."""
+    accepted: int = -1
+    """The highest header accepted (answered `Ready`)."""
+    refused: int = -2
+    """The header this receiver refused (answered `Error`); -2: none."""
+    agreed: int = -1
+    """The highest bucket a `Go` covers."""
+    last: int = -1
+    """Seq of the header marked `is_last` once accepted (-1: not yet)."""
+    posted: dict[int, Any] = field(default_factory=dict)
+    """Per posted bucket: (handle, canary); removed once arrived."""
+    digests: dict[int, int] = field(default_factory=dict)
+    """gloo: the sender's `Digest` of each bucket."""
+    told: bool = False
+    """The sender was sent an `Error` for this update."""
+    reference: Reference | None = None
+    plan_tensors: dict[str, TensorSpec] = field(default_factory=dict)
     nbytes: int = 0
     ntensors: int = 0
     failed: str | None = None
@@ -120,8 +151,6 @@ class _Update:
     """Data of this update may have been loaded by some worker: a failure now leaves it mixed."""
     in_step: bool = True
     """Every collective this receiver agreed to was joined (the group stays usable)."""
-    unwaited: list[Any] = field(default_factory=list)
-    """Collectives posted and not yet waited for."""
     sums: list[Any] = field(default_factory=list)
     """Per bucket: the checksum of what arrived (int on CPU, a 0-d GPU tensor on CUDA)."""
     staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -162,7 +191,6 @@ class Receiver:
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)
         self._broken = ""  # a failure that left this receiver out of step with the group
-        self._refused_seq = -1  # the bucket this receiver last answered with Error
         self._version = -1  # the update in progress (for the versions of our Errors)
         # The trainer waits `timeout_s` for the slowest receiver, then sends its verdict (Go,
         # Commit or Abort): receivers wait a little longer for it, so a dead peer is named by the
@@ -205,62 +233,105 @@ class Receiver:
         self.transport.extend(self._verdict_s)  # progress: the deadman restarts its count
         return msg
 
-    def _expect(self, kind: type, seq: int, u: _Update, timeout_s: float):
-        """Next control message of this update: `kind` for `seq`, else `UpdateFailed`.
+    def _fail(self, u: _Update, text: str, seq: int | None = None) -> None:
+        """Record the first failure of `u` and tell the sender at once (once per update), so it
+        stops announcing buckets; every collective a `Go` covers is still joined."""
+        if u.failed is None:
+            u.failed = text
+        if not u.told:
+            u.told = True
+            self._error(u.seq if seq is None else seq, u.failed, " ")
 
-        An `Abort` of this update ends it; messages of other updates are skipped.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self._recv(deadline)
+    def _violation(self, u: _Update, text: str) -> UpdateFailed:
+        """A message that breaks the protocol: tell the sender (it may be waiting for us)."""
+        self._error(u.seq, f"rank {self.rank}: {text}")
+        u.told = True
+        return UpdateFailed(text)
+
+    def _header_problem(self, header: BucketHeader, seq: int, u: _Update) -> str:
+        """Why this receiver refuses header `seq` ("" if it accepts it)."""
+        if header.version != u.version:
+            return f"header of update {header.version} in update {u.version}"
+        if header.staged != u.staged:
+            return f"rank {self.rank} rejected bucket {seq}: staged flag differs from the plan's"
+        if u.last >= 0:
+            return f"rank {self.rank} rejected bucket {seq}: it follows the last bucket {u.last}"
+        try:
+            validate_header(header, seq, self.cfg.bucket_bytes)
+        except ValueError as e:
+            return f"rank {self.rank} rejected bucket {seq}: {clip(str(e))}"
+        specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
+        problems = []
+        if u.plan_tensors:
+            problems = [f"tensor {x.name!r} ({x.dtype} {x.shape}) is not the plan's"
+                        for x in specs if u.plan_tensors.get(x.name) != x]
+        if not problems and u.reference is not None:
+            problems = u.reference.problems(specs)
+        if problems:
+            return f"rank {self.rank} rejected bucket {seq}: " + clip("; ".join(problems[:5]))
+        return ""
+
+    def _accept(self, header: BucketHeader, u: _Update) -> str:
+        """Check the next header; on success remember it, else record the refusal."""
+        seq = u.accepted + 1
+        problem = u.failed or self._header_problem(header, seq, u)
+        if problem:
+            if u.refused < 0:
+                u.refused = header.seq
+            if u.failed is None:
+                u.failed = problem
+            return problem
+        u.headers[seq] = header
+        u.accepted = seq
+        if header.is_last:
+            u.last = seq
+        return ""
+
+    def _pump(self, u: _Update, want: Callable[[], bool], what: str) -> None:
+        """Handle the sender's messages until `want()` holds: a stream's headers (answered),
+        `Go`s, `Digest`s. An `Abort` of this update, or anything else, ends it (`UpdateFailed`).
+        Each wait is bounded by the verdict timeout."""
+        while not want():
+            msg = self._recv(time.monotonic() + self._verdict_s)
             if getattr(msg, "version", u.version) != u.version:
                 log.info("skipping a %s of update %s during update %d", type(msg).__name__,
                          msg.version, u.version)
                 continue
             if isinstance(msg, Abort):
+                if any(k >= msg.seq for k in u.posted):
+                    u.in_step = False  # we wait in a collective the sender never posts
                 raise UpdateFailed(f"sender aborted update {u.version} at bucket {msg.seq}: "
                                    f"{clip(msg.reason)}")
-            if isinstance(msg, kind) and getattr(msg, "seq", seq) == seq:
-                return msg
-            text = f"expected {kind.__name__} for bucket {seq}, got {clip(repr(msg), 200)}"
-            self._error(seq, f"rank {self.rank}: {text}")  # the sender may be waiting for us
-            raise UpdateFailed(text)
+            if isinstance(msg, BucketHeader) and u.failed is None and u.last < 0:
+                problem = self._accept(msg, u)
+                if problem:
+                    self._fail(u, problem, msg.seq)
+                else:
+                    self.channel.send(Ready(PROTOCOL_VERSION, self.rank, msg.seq, u.version),
+                                      self.cfg.timeout_s)
+            elif isinstance(msg, BucketHeader) and u.failed is not None and u.last < 0:
+                if u.refused < 0:  # failed already: not answered, never joined
+                    u.refused = msg.seq
+            elif isinstance(msg, Go) and u.agreed < msg.seq <= u.accepted:
+                u.agreed = msg.seq
+                if not u.staged:
+                    u.exposed = True  # in place: from now on some worker may load this update
+            elif isinstance(msg, Go) and u.refused >= 0 and msg.seq >= u.refused:
+                u.in_step = False
+                raise UpdateFailed(f"sender sent Go for bucket {msg.seq}, refused: {u.failed}")
+            elif (isinstance(msg, Digest) and not self._cuda and msg.seq not in u.digests
+                  and msg.seq <= u.agreed and msg.seq >= u.seq):
+                u.digests[msg.seq] = msg.checksum
+            else:
+                raise self._violation(u, f"expected {what}, got {clip(repr(msg), 200)}")
 
-    def _answer(self, header: BucketHeader, seq: int, u: _Update, planned: bool = False) -> None:
-        """Check header `seq`; reply Ready, or Error naming the problem (kept in `u.failed`)."""
-        failed = u.failed
-        if (failed is None and seq == 0 and not planned and header.version <= self.state.version
-                and not header.force):
-            failed = (f"rank {self.rank} refused update {header.version}: it holds version "
-                      f"{self.state.version} (push with force=True to go back)")
-        if failed is None and seq > 0 and header.staged != u.staged:
-            failed = f"rank {self.rank} rejected bucket {seq}: staged flag changed mid-update"
-        if failed is None:
-            try:
-                validate_header(header, seq, self.cfg.bucket_bytes)
-            except ValueError as e:
-                failed = f"rank {self.rank} rejected bucket {seq}: {clip(str(e))}"
-        if failed is None and self.reference is not None:
-            specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
-            problems = self.reference.problems(specs)
-            if problems:
-                failed = f"rank {self.rank} rejected bucket {seq}: " + clip("; ".join(problems[:5]))
-        if failed is None:
-            self.channel.send(Ready(PROTOCOL_VERSION, self.rank, seq, header.version),
-                              self.cfg.timeout_s)
-        else:
-            self._error(seq, failed)
-            self._refused_seq = seq
-        u.failed = failed
-
-    def _first(self, timeout_s: float) -> tuple[Plan | None, BucketHeader]:
-        """The update's opening: an optional `Plan` (answered here), then header 0.
+    def _first(self, timeout_s: float, u: _Update) -> Plan:
+        """The update's opening: the `Plan` with its first headers, answered here.
 
         Leftovers of an earlier update are skipped. A refused plan still waits for the sender's
         `Abort`, so both sides end the update the same way.
         """
         deadline = time.monotonic() + timeout_s
-        plan = None
         while True:
             try:
                 msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
@@ -268,30 +339,35 @@ class Receiver:
                 log.warning("rank %d skipping an undecodable frame before the update: %s",
                             self.rank, clip(str(e), 200))
                 continue
-            if isinstance(msg, Plan) and plan is None:
-                plan = msg
-                self._version = plan.version
-                problem = self._plan_problem(plan)
+            if isinstance(msg, Plan):
+                break
+            log.info("skipping a stale %s before the next update", type(msg).__name__)
+        plan = msg
+        self._version = u.version = plan.version
+        u.staged = plan.staged
+        problem = self._plan_problem(plan)
+        if not problem:
+            if plan.adapter is None:
+                u.reference = self.reference
+                u.plan_tensors = {t.name: t for t in plan.tensors}
+            if not plan.buckets:
+                problem = f"rank {self.rank} refused update {plan.version}: a plan without buckets"
+            for h in plan.buckets:
+                if h.force != plan.force:
+                    problem = (f"rank {self.rank} rejected bucket {h.seq}: force flag differs "
+                               "from the plan's")
+                problem = problem or self._accept(h, u)
                 if problem:
-                    self._error(-1, problem, " ")
-                    u = _Update(version=plan.version)
-                    try:  # the sender answers a refusal with Abort: end in step with it
-                        self._expect(Abort, -1, u, self._verdict_s)
-                    except (UpdateFailed, TimeoutError):
-                        pass
-                    raise UpdateFailed(problem)
-                self.channel.send(Ready(PROTOCOL_VERSION, self.rank, -1, plan.version),
-                                  self.cfg.timeout_s)
-                deadline = time.monotonic() + self._verdict_s
-            elif isinstance(msg, BucketHeader) and msg.seq == 0:
-                if plan is not None and msg.version != plan.version:
-                    raise UpdateFailed(f"header of update {msg.version} after plan {plan.version}")
-                self._version = msg.version
-                return plan, msg
-            elif plan is not None and isinstance(msg, Abort) and msg.version == plan.version:
-                raise UpdateFailed(f"sender aborted update {msg.version}: {clip(msg.reason)}")
-            else:
-                log.info("skipping a stale %s before the next update", type(msg).__name__)
+                    break
+        if problem:
+            self._error(-1, problem, " ")
+            u.told, u.failed, u.refused = True, problem, 0
+            # The sender answers a refusal with Abort: end in step with it (a Go instead means
+            # it posts collectives this receiver never joins: out of step).
+            self._pump(u, lambda: False, "Abort")
+        self.channel.send(Ready(PROTOCOL_VERSION, self.rank, u.accepted, plan.version),
+                          self.cfg.timeout_s)
+        return plan
 
     def _held(self, adapter: AdapterSpec | None) -> int:
         """The version this worker holds of the update's target (base weights or an adapter)."""
@@ -337,40 +413,26 @@ class Receiver:
             self._issue_stream.wait_event(self._free[i])
             return self.transport.broadcast(buf[:length]), None
 
-    def _start(self, header: BucketHeader, seq: int, u: _Update) -> tuple[Go, Any]:
-        """Wait for `Go` of bucket `seq` and post its collective; `(go, (handle, canary) | None)`.
+    def _start(self, seq: int, u: _Update) -> None:
+        """Post bucket `seq`'s collective once its header is accepted and a `Go` covers it."""
+        self._pump(u, lambda: u.agreed >= seq, f"Go for bucket {seq}")
+        header = u.headers[seq]
+        if header.length:
+            u.posted[seq] = self._post(header, seq, u)
 
-        A bucket this receiver refused is never entered (a correct sender aborts it). A `Go`
-        without a checksum where one is required is joined (to stay in step) but not loaded.
-        """
-        go = self._expect(Go, seq, u, self._verdict_s)
-        if u.failed is not None and self._refused_seq == seq:
-            u.in_step = False
-            raise UpdateFailed(f"sender sent Go for bucket {seq}, refused: {u.failed}")
-        if u.staged is False:
-            u.exposed = True  # in place: from now on some worker may load this update's data
-        if (self.require_checksums and not self._cuda and header.length and not go.checksum
-                and u.failed is None):
-            u.failed = (f"rank {self.rank}: Go for bucket {seq} carries no checksum, and this "
-                        "receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not loaded")
-        if not header.length:
-            return go, None
-        posted = self._post(header, seq, u)
-        u.unwaited.append(posted[0])
-        return go, posted
-
-    def _arrived(self, header: BucketHeader, seq: int, go: Go, posted: Any, u: _Update) -> None:
+    def _arrived(self, seq: int, u: _Update) -> None:
         """Wait for bucket `seq`'s bytes (CPU: on the host; CUDA: on the load stream) and check
-        what can be checked now."""
-        if posted is None:
+        what can be checked now (CPU: canary and the sender's `Digest`, before any load)."""
+        header = u.headers[seq]
+        if seq not in u.posted:
             u.sums.append(None)
             return
-        work, canary = posted
+        work, canary = u.posted.pop(seq)
         buf = self.buffers[seq % 2]
-        u.unwaited.remove(work)
         try:
             work.wait()
         except RuntimeError as e:
+            u.in_step = False
             self._broken = f"collective of bucket {seq} failed: {clip(str(e))}"
             raise
         u.nbytes += header.length
@@ -381,40 +443,60 @@ class Receiver:
                 self._cksum_done[seq % 2].record(self._cksum_stream)
             return
         length = header.length
-        if canary is not None and not torch.equal(buf[length : length + canary.numel()], canary):
-            u.sums.append(None)
-            u.failed = u.failed or (f"rank {self.rank}: bucket {seq} broadcast more bytes than "
-                                    f"its header's length {length}; not loaded")
-            return
-        got = checksum(buf[:length])
+        got = checksum(buf[:length])  # while the sender's Digest (and bucket k+1) fly
         u.sums.append(got)
-        if u.failed is None and go.checksum and got != go.checksum:
-            u.failed = (f"rank {self.rank}: bucket {seq} arrived corrupted or short "
-                        f"(checksum {got:#x} != sender's {go.checksum:#x}); not loaded")
+        self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}")
+        theirs = u.digests.pop(seq)
+        if canary is not None and not torch.equal(buf[length : length + canary.numel()], canary):
+            self._fail(u, f"rank {self.rank}: bucket {seq} broadcast more bytes than its "
+                          f"header's length {length}; not loaded")
+        elif not theirs and self.require_checksums:
+            self._fail(u, f"rank {self.rank}: Digest for bucket {seq} carries no checksum, and "
+                          "this receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); "
+                          "not loaded")
+        elif theirs and got != theirs:
+            self._fail(u, f"rank {self.rank}: bucket {seq} arrived corrupted or short (checksum "
+                          f"{got:#x} != sender's {theirs:#x}); not loaded")
 
-    def _load(self, header: BucketHeader, seq: int, loader: WeightLoader, re: Reassembler,
-              u: _Update) -> None:
+    def _load(self, seq: int, loader: WeightLoader, re: Reassembler, u: _Update) -> None:
         """Hand bucket `seq`'s tensors to the loader (or keep clones of them when staged)."""
         if u.failed is not None:
             return
+        header = u.headers[seq]
         try:
+            if not u.began and not u.staged:  # rows may go to the loader while unpacking
+                loader.begin()
+                u.began = True
+            by_rows = re.loaded_by_rows
             named = re.unpack(header, self.buffers[seq % 2])
-            u.ntensors += len(named)
+            u.ntensors += len(named) + re.loaded_by_rows - by_rows
             if u.staged:
                 u.staged_tensors += [(n, t.clone()) for n, t in named]
                 if header.is_last:
                     re.finish()
                 return
             if named or header.is_last:
-                if not u.began:
-                    loader.begin()
-                    u.began = True
                 loader.load(named)
             if header.is_last:
                 re.finish()
         except Exception as e:  # the loader is user/vLLM code: report, don't crash
-            u.failed = f"rank {self.rank} failed loading bucket {seq}: {clip(repr(e))}"
+            self._fail(u, f"rank {self.rank} failed loading bucket {seq}: {clip(repr(e))}")
             log.exception("loading bucket %d failed", seq)
+
+    def _expect_seal(self, u: _Update) -> Seal:
+        """The sender's `Seal` of this update (an `Abort` ends it; anything else is an error)."""
+        deadline = time.monotonic() + self._verdict_s
+        while True:
+            msg = self._recv(deadline)
+            if getattr(msg, "version", u.version) != u.version:
+                continue
+            if isinstance(msg, Seal):
+                return msg
+            if isinstance(msg, Abort):
+                raise UpdateFailed(f"sender aborted update {u.version} at bucket {msg.seq}: "
+                                   f"{clip(msg.reason)}")
+            raise self._violation(u, f"expected Seal after bucket {u.seq}, "
+                                     f"got {clip(repr(msg), 200)}")
 
     def _settle(self) -> None:
         """CUDA: wait (bounded, polling) until every load and collective of this update ran."""
@@ -481,18 +563,19 @@ class Receiver:
         if self.broken:
             return self._summary(ok=False, seq=-1, nbytes=0,
                                  error=f"transfer group is broken ({self.broken}); join again")
-        self._refused_seq = -1
         self._version = -1
         u = _Update()
         re = Reassembler()
         try:
-            plan, header = self._first(timeout_s or self.cfg.timeout_s)
-            u.version, u.staged, u.t0 = header.version, header.staged, time.perf_counter()
-            if plan is not None and plan.adapter is not None:
+            plan = self._first(timeout_s or self.cfg.timeout_s, u)
+            u.t0 = time.perf_counter()
+            if plan.adapter is not None:
                 assert self.adapters is not None  # `_plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
+            if not u.staged:  # staged updates keep whole copies anyway
+                re = Reassembler(getattr(loader, "load_rows", None))
             with self.transport.armed(self._verdict_s, f"update {u.version}"):
-                self._buckets(plan, header, loader, re, u)
+                self._buckets(loader, re, u)
         except Exception as e:  # noqa: BLE001 - a failed update must never take the engine down
             if not isinstance(e, (UpdateFailed, TimeoutError)):
                 log.exception("update %d failed on rank %d", u.version, self.rank)
@@ -508,40 +591,40 @@ class Receiver:
         return self._summary(ok=True, seq=u.seq, nbytes=u.nbytes, tensors=u.ntensors,
                              seconds=st.last_seconds)
 
-    def _buckets(self, plan: Plan | None, header: BucketHeader, loader: WeightLoader,
-                 re: Reassembler, u: _Update) -> None:
-        """Every bucket, then the commit round; raises on any failure."""
+    def _buckets(self, loader: WeightLoader, re: Reassembler, u: _Update) -> None:
+        """Every bucket, then the commit round; raises on any failure.
+
+        Bucket k+1's collective is posted before bucket k is checked and loaded. On CUDA every
+        step is only queued (collective on the issue stream, checksum beside it, loads on the
+        load stream, buffer reuse ordered by events): the host never waits between buckets.
+        """
         if self._cuda:
             vllm_stream = torch.cuda.current_stream(self.transport.device)
             self._load_stream.wait_stream(vllm_stream)  # after whatever vLLM queued before
             for ev in self._free:
                 ev.record(self._load_stream)
-        self._answer(header, 0, u, plan is not None)
-        go, posted = self._start(header, 0, u)
+        self._start(0, u)
         while True:
             seq = u.seq
-            nxt = nxt_go = nxt_posted = None
-            if not header.is_last:
-                nxt = self._expect(BucketHeader, seq + 1, u, self.cfg.timeout_s)
-                self._answer(nxt, seq + 1, u)
+            is_last = u.headers[seq].is_last
+            if not is_last:
+                self._pump(u, lambda: u.accepted > seq, f"BucketHeader for bucket {seq + 1}")
+                self._start(seq + 1, u)
             if self._cuda:
                 with torch.cuda.stream(self._load_stream):
-                    self._arrived(header, seq, go, posted, u)
-                    self._load(header, seq, loader, re, u)
+                    self._arrived(seq, u)
+                    self._load(seq, loader, re, u)
                     self._load_stream.wait_event(self._cksum_done[seq % 2])
                     self._free[seq % 2].record(self._load_stream)
             else:
-                self._arrived(header, seq, go, posted, u)
-                if nxt is not None:  # CPU loads block the host: start bucket k+1 first
-                    nxt_go, nxt_posted = self._start(nxt, seq + 1, u)
-                self._load(header, seq, loader, re, u)
-            if nxt is None:
+                self._arrived(seq, u)
+                self._load(seq, loader, re, u)
+            self.transport.extend(self._verdict_s)  # progress: the deadman restarts its count
+            if is_last:
                 break
-            if nxt_go is None:
-                nxt_go, nxt_posted = self._start(nxt, seq + 1, u)
-            header, go, posted = nxt, nxt_go, nxt_posted
+            del u.headers[seq]
             u.seq = seq + 1
-        seal = self._expect(Seal, -1, u, self.cfg.timeout_s)
+        seal = self._expect_seal(u)
         self._settle()
         self._verify(seal, u)
         if u.failed is None and u.began:
@@ -553,7 +636,7 @@ class Receiver:
                 u.failed = f"rank {self.rank} failed finishing the load: {clip(repr(e))}"
                 log.exception("finishing the load failed")
         if u.failed is not None:
-            self._error(u.seq, u.failed)
+            self._fail(u, u.failed)
             raise UpdateFailed(u.failed)
         seconds = time.perf_counter() - u.t0
         self.channel.send(Ack(PROTOCOL_VERSION, self.rank, u.version, u.seq + 1, u.nbytes,
@@ -588,26 +671,26 @@ class Receiver:
         refused to join) it is given up: aborted on NCCL, so nothing stays pending.
         """
         clean = isinstance(e, UpdateFailed)
-        if not clean:  # tell a sender that may still be waiting
+        if not clean and not u.told:  # tell a sender that may still be waiting
             self._error(u.seq, f"rank {self.rank}: {clip(str(e))}")
         if not u.in_step:
             self._broken = self._broken or f"update {u.version} died mid-way: {clip(str(e))}"
             self.transport.abort(self._broken)  # NCCL: no collective may stay pending
         if self._cuda:
             with torch.cuda.stream(self._load_stream):
-                for w in u.unwaited:
+                for w, _ in u.posted.values():
                     w.wait()
             try:  # after a clean abort every posted collective completes; else barely wait
                 self.transport.wait_stream(self._load_stream, self.cfg.timeout_s if clean else 1.0)
             except (TimeoutError, RuntimeError) as err:
                 self._broken = self._broken or f"update {u.version}: {clip(str(err))}"
         else:
-            for w in u.unwaited:  # gloo: bounded by the group's own timeout
+            for w, _ in u.posted.values():  # gloo: bounded by the group's own timeout
                 try:
                     w.wait()
                 except RuntimeError as err:
                     self._broken = self._broken or f"update {u.version}: {clip(str(err))}"
-        u.unwaited = []
+        u.posted = {}
         u.staged_tensors = []
         self.state.failures += 1
         self.state.last_error = clip(str(e))

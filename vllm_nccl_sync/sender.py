@@ -2,34 +2,40 @@
 
 `PushClient.push` streams `(name, tensor)` pairs (a `state_dict()`, a generator, FSDP full
 tensors gathered one at a time) as buckets to every receiver of every engine at once: one
-broadcast per bucket feeds them all. Double-buffered: bucket k+1 is planned, announced and packed
-while bucket k is on the wire; a buffer is refilled only after the collective that read it.
+broadcast per bucket feeds them all.
 
-The receivers see `[Plan] H0 G0 H1 G1 ... Seal Commit [Commit(2)]`: after the last bucket the
-sender seals the update (bucket count and every bucket's checksum; on CUDA computed on the GPU
-and read once per update) and commits it only when every receiver of every engine acknowledged.
-Every wait is bounded; a failure is answered by `Abort` to every live receiver, and a timeout
-after a collective was posted aborts the NCCL communicator (the client must then be replaced).
+Agreement comes before the data, once: the `Plan` carries every bucket header of a state dict
+(the first `window` of a stream), every receiver checks them all and answers once, and one `Go`
+covers them. Then the collectives run back to back, double-buffered, with no control round trip
+between them: bucket k+1 is packed into the other buffer while bucket k flies, and a buffer is
+refilled only after the collective that last read it. A stream announces each next header while
+the buckets before it fly, so its `Go`s arrive ahead of the collectives they cover; by default
+each tensor is copied into a buffer as soon as it is pulled (`StreamPacker`), so a trainer
+gathering full tensors one at a time holds at most one of them beyond the two buffers.
 
-The receivers see `H0 G0 H1 G1 ...`. To keep the control round trip off the link's critical path,
-everything that does not need the receivers' answer is done before waiting for it: bucket k+1 is
-announced right after the collective of k is queued, and packed (speculatively, into our own
-buffer) while the receivers check its header, so `Ready k+1` is answered by `Go k+1` at once.
-On CUDA nothing here blocks the host on the GPU: a buffer is refilled after `wait()` on the
-collective that last read it, which orders the current stream after it. For a mapping (all
-tensors in memory already) a bucket holding one tensor (or one chunk of it) is broadcast straight
-from the tensor's memory, without a pack copy. An iterable is consumed by `StreamPacker`: each
-tensor is copied into a buffer as soon as it is pulled and let go, so a trainer gathering full
-tensors one at a time holds at most one of them beyond the two buffers.
+Integrity: on gloo each bucket's checksum is computed while its bytes fly and sent as a `Digest`
+right after; on CUDA it is computed on the GPU on a side stream, beside the collective, and all
+of them are read once, for the `Seal`. On CUDA nothing here blocks the host on the GPU between
+buckets: a buffer is refilled after `wait()` on the collective that last read it, which orders
+the current stream after it. A bucket holding one tensor (or one chunk of it) is broadcast
+straight from the tensor's memory, without a pack copy.
+
+After the last bucket the sender seals the update and commits it only when every receiver of
+every engine acknowledged. Every wait is bounded. Once a `Go` was sent, every collective it covers
+is posted, whatever fails (a receiver's `Error`, the tensor source): the group stays in step, and
+the failure is answered by `Abort` after the last agreed collective. A timeout after a collective
+was posted aborts the NCCL communicator (the client must then be replaced).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from .channel import SenderChannel, clip
@@ -45,19 +51,20 @@ from .packing import (
     tensor_nbytes,
 )
 from .protocol import (
+    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Ack,
     AdapterSpec,
     BucketHeader,
     Commit,
+    Digest,
     Error,
     Go,
     Hello,
     Plan,
     Ready,
     Seal,
-    Slot,
     TensorSpec,
 )
 from .transport import Handle, PeerFailed, Transport
@@ -95,10 +102,6 @@ class PushResult:
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-
-Producer = Callable[[int, list], tuple[list[Slot], bool, torch.Tensor]]
-"""Makes bucket `seq` (waiting for its buffer's last collective): its slots, whether it is the
-last one, and its wire bytes."""
 
 Progress = Callable[[int, int, float], None]
 """Called after each bucket is sent with (buckets so far, bytes so far, seconds so far)."""
@@ -149,6 +152,7 @@ class PushClient:
         self._buffers: list[torch.Tensor] = []
         self._cksum_stream: torch.cuda.Stream | None = None
         self._cksum_done: list[torch.cuda.Event] = []
+        self._lost: list[PeerFailed] = []  # receivers whose data-plane transfer failed (gloo)
 
     @property
     def ranks(self) -> list[int]:
@@ -185,6 +189,13 @@ class PushClient:
         if lost:
             raise PushError(f"ranks {lost} cannot be reached (gone?) sending "
                             f"{type(msg).__name__}", missing=lost)
+
+    def _tell(self, msg) -> None:
+        """Send `msg` to every receiver mid-update; one that cannot be reached fails the update
+        later (`self._lost`), after the live ones got every collective they agreed to."""
+        for r in self.channel.send_all(self.ranks, msg):
+            self._lost.append(PeerFailed(f"rank {r} cannot be reached (gone?) sending "
+                                         f"{type(msg).__name__}", r))
 
     def _abort_all(self, version: int, seq: int, reason: str) -> None:
         """Tell every live receiver that update `version` is abandoned (never raises)."""
@@ -244,8 +255,11 @@ class PushClient:
         current stream, no host wait)."""
         prev = works[seq % 2]
         if prev is not None:
-            prev.wait()
             works[seq % 2] = None
+            try:
+                prev.wait()
+            except PeerFailed as e:  # gloo: the others got their bytes; go on without it
+                self._lost.append(e)
             if self._cksum_stream is not None:  # and the checksum that read it
                 torch.cuda.current_stream(self.transport.device).wait_event(
                     self._cksum_done[seq % 2])
@@ -261,35 +275,21 @@ class PushClient:
             self._cksum_done[seq % 2].record(self._cksum_stream)
         return digest
 
-    def _planned(self, items: list[tuple[str, torch.Tensor]]) -> Producer:
-        """Buckets of tensors that are all in memory already (a mapping): planned, then packed;
-        a bucket holding one tensor (or one chunk) is sent straight from its memory."""
-        buckets = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+    def _wire(self, seq: int, bucket: Bucket, works: list[Handle | None]) -> torch.Tensor:
+        """Bucket `seq`'s wire bytes: the tensor's own memory for a bucket of one tensor (or one
+        chunk), else packed into buffer seq%2 once the collective that last read it is done."""
+        buf = self._free(seq, works)  # at most two collectives in flight
+        if len(bucket.slots) == 1 and bucket.sources[0].device == self.transport.device:
+            slot = bucket.slots[0]  # zero copy: the collective reads the tensor's own memory
+            return as_bytes(bucket.sources[0])[slot.start : slot.start + slot.nbytes]
+        return pack(bucket, buf)
 
-        def produce(seq: int, works: list[Handle | None]) -> tuple[list[Slot], bool, torch.Tensor]:
-            bucket, is_last = next(buckets)
-            buf = self._free(seq, works)
-            if len(bucket.slots) == 1 and bucket.sources[0].device == self.transport.device:
-                slot = bucket.slots[0]  # zero copy: the collective reads the tensor's own memory
-                wire = as_bytes(bucket.sources[0])[slot.start : slot.start + slot.nbytes]
-            else:
-                wire = pack(bucket, buf)
-            return bucket.slots, is_last, wire
-
-        return produce
-
-    def _streamed(self, items: Iterable[tuple[str, torch.Tensor]]) -> Producer:
-        """Buckets of a stream (a generator gathering full tensors one at a time): each tensor is
-        copied into a buffer as soon as it is pulled, so at most one is held beyond the buffers."""
-        packer = StreamPacker(items, self.cfg.bucket_bytes)
-
-        def produce(seq: int, works: list[Handle | None]) -> tuple[list[Slot], bool, torch.Tensor]:
-            buf = self._free(seq, works)
-            slots, is_last = packer.fill(buf)
-            length = slots[-1].offset + slots[-1].nbytes if slots else 0
-            return slots, is_last, buf[:length]
-
-        return produce
+    def _opening(self, version: int, plan: Plan, last: int) -> None:
+        """Send the plan; wait until every receiver accepted every header in it; send one `Go`
+        for them all. A refusal is answered by `Abort` to all and raised (`UpdateRefused`)."""
+        self._send_all(plan)
+        self._await_ready(version, last)
+        self._send_all(Go(PROTOCOL_VERSION, version, last))
 
     def push(
         self,
@@ -302,20 +302,24 @@ class PushClient:
         full: bool = False,
         staged: bool = False,
         adapter: AdapterSpec | None = None,
+        window: int = 1,
     ) -> PushResult:
         """Send one complete update; returns once every receiver of every engine committed it.
 
-        A mapping (a `state_dict()`) is announced first as a `Plan` that every receiver checks
-        against its model (names, shapes, dtypes; with `full`, that nothing is missing) before
-        any byte moves; tied aliases sharing one storage are sent once. An iterable (a generator
-        gathering FSDP shards one at a time) is streamed, and each bucket header is checked.
-        `dtype` casts floating-point tensors before packing (fp32 master weights to the engine's
-        bf16 halves the bytes). Receivers refuse a `version` not newer than the one they hold
-        unless `force`. `staged`: receivers load nothing until every bucket of every receiver
-        arrived and verified. After the last bucket comes the commit round: receivers stamp the
-        version only once all acknowledged. Raises `PushError` if any side failed; every live
-        receiver then ends the update the same way (none is left inside a collective: on a
-        timeout the NCCL communicator is aborted and this client must be replaced).
+        A mapping (a `state_dict()`) is announced first as a `Plan` holding every tensor and
+        every bucket header, which every receiver checks against its model (names, shapes,
+        dtypes; with `full`, that nothing is missing) before any byte moves; tied aliases sharing
+        one storage are sent once. An iterable (a generator gathering FSDP shards one at a time)
+        is streamed: each tensor is copied into a bucket buffer as soon as it is pulled (at most
+        one full tensor is held beyond the two buffers), and each bucket's header is announced
+        (and agreed) while the bucket before it flies; `window` > 1 announces that many buckets
+        ahead of the wire instead, holding their tensors until they are sent. `dtype` casts floating-point tensors before packing (fp32 master weights to
+        the engine's bf16 halves the bytes). Receivers refuse a `version` not newer than the one
+        they hold unless `force`. `staged`: receivers load nothing until every bucket of every
+        receiver arrived and verified. After the last bucket comes the commit round: receivers
+        stamp the version only once all acknowledged. Raises `PushError` if any side failed;
+        every live receiver then ends the update the same way (none is left inside a collective:
+        on a timeout the NCCL communicator is aborted and this client must be replaced).
         `adapter`: the tensors are this LoRA adapter's (a mapping only); receivers add it or
         replace the weights of the adapter of that name, and version it on its own.
         """
@@ -324,72 +328,123 @@ class PushClient:
         if self.transport.broken:
             raise PushError(f"transfer group is broken ({self.transport.broken}); "
                             "connect a new PushClient")
+        if window < 1:
+            raise ValueError(f"window {window} must be at least 1")
         check = self.cfg.bucket_checksums is not False
         strict = sorted(r for r, h in self.hellos.items() if h.checksums)
         if strict and not check:
             raise PushError(f"ranks {strict} require bucket checksums; this client has "
                             "bucket_checksums=False")
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype else (lambda t: t)
-        plan = None
         if adapter is not None and not isinstance(named_tensors, Mapping):
             raise TypeError("an adapter update takes a mapping of its tensors, not a stream")
+        specs: list[TensorSpec] = []
+        packer = None
         if isinstance(named_tensors, Mapping):
             items = [(n, cast(t)) for n, t in _without_aliases(named_tensors)]
             specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
-            plan = Plan(PROTOCOL_VERSION, version, specs, full, force, adapter)
-            produce = self._planned(items)
-        else:
-            produce = self._streamed(_each(named_tensors, cast))
+            planned = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+            del items
+        elif window > 1:  # holds the tensors of up to `window` announced buckets
+            planned = _with_last(plan_buckets(_each(named_tensors, cast), self.cfg.bucket_bytes))
+        else:  # each tensor is copied into a buffer as soon as it is pulled, and let go
+            packer = StreamPacker(_each(named_tensors, cast), self.cfg.bucket_bytes)
         gpu = self.transport.device.type == "cuda"
+        pending: deque[tuple[BucketHeader, Callable[[], torch.Tensor]]] = deque()
+        """Announced buckets not yet sent: header, and how to get the wire bytes."""
+
+        def plan_next() -> BucketHeader:
+            seq = pending[-1][0].seq + 1 if pending else sent
+            if packer is not None:  # packed now, into the buffer it is sent from
+                buf = self._free(seq, works)
+                slots, is_last = packer.fill(buf)
+                length = slots[-1].offset + slots[-1].nbytes if slots else 0
+                h = BucketHeader(PROTOCOL_VERSION, version, seq, length, is_last, slots, force,
+                                 staged)
+                wire = buf[:length]
+                pending.append((h, lambda: wire))
+            else:
+                bucket, is_last = next(planned)
+                h = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force, staged)
+                pending.append((h, lambda: self._wire(seq, bucket, works)))
+            return h
+
         t0 = time.perf_counter()
         works: list[Handle | None] = [None, None]
         sums: list = []
-        seq, nbytes, ntensors, posted = -1, 0, 0, False
-
-        def header_of(k: int, slots: list[Slot], is_last: bool) -> BucketHeader:
-            length = slots[-1].offset + slots[-1].nbytes if slots else 0
-            return BucketHeader(PROTOCOL_VERSION, version, k, length, is_last, slots, force, staged)
-
+        sent, nbytes, ntensors, posted = 0, 0, 0, False
+        agreed = -1  # the highest bucket a Go covers
+        ready = dict.fromkeys(self.ranks, -1)  # each receiver's highest Ready
+        errors: dict[int, str] = {}
+        failure: BaseException | None = None  # the trainer's own failure after a Go
+        self._lost = []
         try:
             with self.transport.armed(self.cfg.timeout_s, f"update {version}"):
-                if plan is not None:
-                    self._send_all(plan)
-                    self._await_ready(version, -1)
+                headers = [plan_next()]
+                limit = MAX_FRAME_BYTES // 2
+                size = len(msgspec.msgpack.encode(specs)) + len(msgspec.msgpack.encode(headers))
+                while not headers[-1].is_last and (specs or len(headers) < window):
+                    h = plan_next()
+                    size += len(msgspec.msgpack.encode(h))
+                    headers.append(h)
+                    if size > limit:  # the rest of a huge plan follows as a stream
+                        break
+                self._opening(version, Plan(PROTOCOL_VERSION, version, specs, full, force,
+                                            adapter, headers, staged), headers[-1].seq)
+                agreed = headers[-1].seq
+                ready = dict.fromkeys(self.ranks, agreed)
+                window = max(window, len(headers))  # a plan too big for one frame: the rest
+                # of its headers follow at the same distance
                 t0 = time.perf_counter()
-                seq = 0
-                slots, is_last, wire = produce(0, works)
-                header = header_of(0, slots, is_last)
-                self._send_all(header)
                 while True:
-                    # Bucket k+1 is planned and packed (speculatively, into the buffer whose
-                    # collective k-1 was posted long ago) while the receivers check header k.
-                    nxt = None if header.is_last else produce(seq + 1, works)
+                    if sent > agreed:  # a stream's window fell behind the wire: wait for it
+                        agreed = self._await_go(version, sent, ready, errors)
+                    header, make_wire = pending.popleft()
+                    try:
+                        wire = make_wire()
+                    except Exception as e:  # noqa: BLE001 - agreed: the collective still runs
+                        failure = failure or e
+                        wire = self._free(sent, works)[: header.length]
+                    del make_wire
+                    posted = True
+                    works[sent % 2] = self.transport.broadcast(wire) if header.length else None
                     digest = 0
                     if check and header.length:
-                        digest = self._checksum_beside(wire, seq) if gpu else checksum(wire)
+                        digest = self._checksum_beside(wire, sent) if gpu else checksum(wire)
                     sums.append(digest)
-                    self._await_ready(version, seq)
-                    self._send_all(Go(PROTOCOL_VERSION, version, seq, 0 if gpu else digest))
-                    # Nothing may fail between Go and queueing the collective it announces.
-                    posted = True
-                    works[seq % 2] = self.transport.broadcast(wire) if header.length else None
-                    done = header
-                    if nxt is not None:  # announce k+1 at once: receivers check it while k flies
-                        slots, is_last, wire = nxt
-                        header = header_of(seq + 1, slots, is_last)
-                        self._send_all(header)
-                    nbytes += done.length
-                    ntensors += sum(
-                        s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape) for s in done.slots
-                    )
+                    if not gpu and header.length:
+                        self._tell(Digest(PROTOCOL_VERSION, version, sent, digest))
+                    del wire
+                    self.transport.extend(self.cfg.timeout_s)  # progress: restart the deadman
+                    nbytes += header.length
+                    ntensors += sum(s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape)
+                                    for s in header.slots)
                     if progress:
-                        progress(seq + 1, nbytes, time.perf_counter() - t0)
-                    if nxt is None:
+                        progress(sent + 1, nbytes, time.perf_counter() - t0)
+                    sent += 1
+                    if header.is_last:
                         break
-                    seq += 1
-                for w in works:
-                    if w is not None:
-                        w.wait()
+                    if failure is None and not errors and len(pending) < window:
+                        last = pending[-1][0] if pending else header
+                        if not last.is_last:  # announce one more while this bucket flies
+                            try:
+                                nxt = plan_next()
+                            except Exception as e:  # noqa: BLE001 - the tensor source failed
+                                failure = e
+                            else:
+                                self._tell(nxt)
+                    agreed = self._poll(version, ready, errors, agreed)
+                    if (failure is not None or errors or self._lost) and sent > agreed:
+                        break  # every agreed collective is posted: the live ranks are in step
+                for i in range(2):
+                    self._free(i, works)
+                failure = failure or (self._lost[0] if self._lost else None)
+                if failure is not None or errors:
+                    if failure is not None:
+                        raise failure
+                    text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
+                    raise PushError(f"update {version} failed at bucket {sent - 1}: {text}",
+                                    errors)
                 if gpu:
                     cur = torch.cuda.current_stream(self.transport.device)
                     cur.wait_stream(self._cksum_stream)
@@ -397,26 +452,71 @@ class PushClient:
                     dev = [d for d in sums if isinstance(d, torch.Tensor)]
                     values = iter(torch.stack(dev).tolist() if dev else [])
                     sums = [next(values) if isinstance(d, torch.Tensor) else d for d in sums]
-                self._send_all(Seal(PROTOCOL_VERSION, version, seq + 1, sums))
-                acks = self._commit_round(version, seq + 1, 1)
+                self._send_all(Seal(PROTOCOL_VERSION, version, sent, sums))
+                acks = self._commit_round(version, sent, 1)
                 if staged:
-                    self._commit_round(version, seq + 1, 2)
+                    self._commit_round(version, sent, 2)
         except Exception as e:  # a receiver or the tensor source failed: end every wait
             if not isinstance(e, UpdateRefused):  # (a refusal was already answered by Abort)
-                self._abort_all(version, seq + 1 if posted else seq, str(e))
+                self._abort_all(version, sent, str(e))
             missing = getattr(e, "missing", [])
-            if posted and (missing or not isinstance(e, PushError)):
+            in_step = sent > agreed  # every collective a Go covers was posted
+            if posted and (missing or not in_step or isinstance(e, PeerFailed) or self._lost):
                 # A collective may be pending that will never complete: give the group up.
                 self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
             if isinstance(e, PushError):
                 raise
             if isinstance(e, PeerFailed):
-                raise PushError(f"update {version} failed at bucket {seq}: rank {e.rank} left "
+                raise PushError(f"update {version} failed at bucket {sent}: rank {e.rank} left "
                                 f"the data plane: {clip(str(e))}", missing=[e.rank]) from e
-            raise PushError(f"update {version} failed at bucket {seq} on the trainer: "
+            raise PushError(f"update {version} failed at bucket {sent} on the trainer: "
                             f"{clip(repr(e))}") from e
         seconds = time.perf_counter() - t0
-        return PushResult(version, seq + 1, nbytes, ntensors, seconds, list(acks.values()))
+        return PushResult(version, sent, nbytes, ntensors, seconds, list(acks.values()))
+
+    def _poll(self, version: int, ready: dict[int, int], errors: dict[int, str],
+              agreed: int, deadline: float | None = None) -> int:
+        """Take the receivers' answers queued so far (until `deadline`: wait for one at least);
+        send `Go` for what all of them accepted. Returns the bucket the last `Go` covers."""
+        while True:
+            try:
+                rank, msg = self.channel.recv(deadline or time.monotonic())
+            except TimeoutError:
+                break
+            if rank not in self.ranks or getattr(msg, "version", version) not in (version, -1):
+                log.info("ignoring %s from rank %d during update %d", type(msg).__name__, rank,
+                         version)
+            elif isinstance(msg, Error):
+                errors[rank] = clip(msg.message)
+            elif isinstance(msg, Ready) and msg.seq > ready[rank]:
+                ready[rank] = msg.seq
+            else:
+                log.warning("ignoring %s from rank %d mid-update", type(msg).__name__, rank)
+            if deadline is not None:
+                break
+        if not errors and not self._lost and min(ready.values()) > agreed:
+            agreed = min(ready.values())
+            self._tell(Go(PROTOCOL_VERSION, version, agreed))
+        return agreed
+
+    def _await_go(self, version: int, seq: int, ready: dict[int, int],
+                  errors: dict[int, str]) -> int:
+        """Wait (bounded) until every receiver accepted header `seq`, and send its `Go`."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        self.transport.extend(2 * self.cfg.timeout_s)
+        agreed = seq - 1
+        while agreed < seq:
+            if self._lost:
+                raise self._lost[0]
+            if errors:
+                text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
+                raise PushError(f"update {version} failed at bucket {seq}: {text}", errors)
+            if time.monotonic() > deadline:
+                missing = sorted(r for r, k in ready.items() if k < seq)
+                raise PushError(f"update {version}: no Ready for bucket {seq} from ranks "
+                                f"{missing} within {self.cfg.timeout_s:.1f} s", missing=missing)
+            agreed = self._poll(version, ready, errors, agreed, deadline)
+        return agreed
 
     def _commit_round(self, version: int, buckets: int, phase: int) -> dict[int, Ack]:
         """Gather every receiver's `Ack(phase)`, then tell them all to `Commit(phase)`."""

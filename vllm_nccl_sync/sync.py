@@ -8,7 +8,7 @@ update runs every engine's receive RPC concurrently with the push, so the caller
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 
 from .config import SyncConfig
 from .engines import EngineHandle
+from .protocol import AdapterSpec
 from .sender import PushClient, PushError, PushResult
 
 
@@ -85,12 +86,14 @@ class WeightSync:
         pause_mode: str = "wait",
         dtype: torch.dtype | None = None,
         force: bool = False,
+        adapter: AdapterSpec | None = None,
     ) -> PushResult:
         """Push one complete update into every engine; raises `PushError` if any part failed.
 
         Each engine is paused (`pause_mode`: `abort`, `wait` or `keep` its in-flight requests) for
         the update and resumed with its prefix cache reset, whatever the outcome. Engines refuse a
-        `version` not newer than the one they hold unless `force`.
+        `version` not newer than the one they hold unless `force`. `adapter`: the tensors are
+        this LoRA adapter's (see `update_adapter`).
         """
         if pause_mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause_mode {pause_mode!r} must be 'abort', 'wait' or 'keep'")
@@ -102,7 +105,8 @@ class WeightSync:
             error: BaseException | None = None
             result = None
             try:
-                result = self.client.push(named_tensors, version, dtype=dtype, force=force)
+                result = self.client.push(named_tensors, version, dtype=dtype, force=force,
+                                          adapter=adapter)
             except PushError as e:
                 error = e
             summaries = [s for f in futs for s in f.result(timeout=self.cfg.timeout_s * 3)]
@@ -114,6 +118,38 @@ class WeightSync:
             detail = "; ".join(f"rank {s.get('rank')}: {s.get('error')}" for s in failed)
             raise PushError(f"update {version} failed: {error or ''} {detail}".strip())
         assert result is not None
+        return result
+
+    def update_adapter(
+        self,
+        adapter: Any,
+        version: int,
+        *,
+        name: str,
+        lora_id: int,
+        rank: int | None = None,
+        alpha: float | None = None,
+        target_modules: list[str] | None = None,
+        pause_mode: str = "wait",
+        dtype: torch.dtype | None = None,
+        force: bool = False,
+    ) -> PushResult:
+        """Push LoRA adapter `name` (id `lora_id`) into every engine (started with LoRA enabled):
+        added, or its weights replaced; versioned on its own. Base weights are not touched.
+
+        `adapter` is a PEFT model (its active adapter's tensors and config are sent) or a mapping
+        of PEFT-named LoRA tensors (`...q_proj.lora_A.weight`), then with `rank`, `alpha` and
+        `target_modules`. Requests naming the adapter after this returns use the new weights;
+        in-flight ones are handled per `pause_mode` (docs/lora.md). A `vllm serve` engine
+        (`HTTPHandle`) also gets the name registered, so requests may say `"model": name`.
+        """
+        tensors, spec = adapter_update(adapter, name, lora_id, rank, alpha, target_modules)
+        result = self.update(tensors, version, pause_mode=pause_mode, dtype=dtype, force=force,
+                             adapter=spec)
+        for e in self.engines:  # a served engine's OpenAI routes learn the name (once)
+            register = getattr(e, "register_adapter", None)
+            if register is not None:
+                register(name)
         return result
 
     def state(self) -> list[list[dict[str, Any]]]:
@@ -128,3 +164,30 @@ class WeightSync:
                 pass
         self.client.close()
         self._pool.shutdown(wait=False)
+
+
+def adapter_update(adapter: Any, name: str, lora_id: int, rank: int | None = None,
+                   alpha: float | None = None, target_modules: list[str] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], AdapterSpec]:
+    """The tensors and `AdapterSpec` of a LoRA adapter update, from a PEFT model (its active
+    adapter, through `peft.get_peft_model_state_dict`) or from a mapping plus its config."""
+    if hasattr(adapter, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        cfg = adapter.peft_config[adapter.active_adapter]
+        tensors = dict(get_peft_model_state_dict(adapter))
+        rank = cfg.r if rank is None else rank
+        alpha = cfg.lora_alpha if alpha is None else alpha
+        targets = cfg.target_modules if target_modules is None else target_modules
+        if isinstance(targets, str):  # a regex or "all-linear": the modules the tensors name
+            from .lora import split_name
+
+            targets = {split_name(n)[0] for n in tensors}
+        target_modules = sorted({t.rsplit(".", 1)[-1] for t in targets})  # PEFT may give paths
+    elif isinstance(adapter, Mapping):
+        tensors = dict(adapter)
+    else:
+        raise TypeError(f"adapter must be a PEFT model or a mapping, not {type(adapter).__name__}")
+    if rank is None or alpha is None or target_modules is None:
+        raise ValueError("a mapping of LoRA tensors needs rank, alpha and target_modules")
+    return tensors, AdapterSpec(name, lora_id, int(rank), float(alpha), list(target_modules))

@@ -17,6 +17,8 @@ PROMPTS = [[5, 17, 300, 42, 7], [1, 2, 3], [100, 200, 300, 400, 450, 12, 9, 77],
 """Prompts as token ids (no tokenizer quirks)."""
 DTYPE = torch.float32  # bf16 runs, but its rounding flips near-tied greedy tokens vs transformers
 ARCHS = ("qwen2", "llama")
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v2", "gemma2", "phi3", "qwen2_vl")
+"""Further model families (tiny configs of their own layouts), built like `ARCHS`."""
 
 
 def _config(arch: str):
@@ -43,15 +45,66 @@ def _config(arch: str):
         return LlamaConfig(
             tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common
         )
-    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if arch in FAMILIES:
+        return _family_config(arch, common)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + FAMILIES}")
+
+
+def _family_config(family: str, common: dict):
+    """Tiny configs that keep each family's distinctive layout (head sizes vLLM's CPU kernels
+    take: 32/64/... for attention, 512 + 64 latent for MLA)."""
+    import transformers
+
+    gqa = {**common, "head_dim": 32}
+    moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
+    if family == "qwen3":  # q/k RMSNorm per head
+        return transformers.Qwen3Config(tie_word_embeddings=False, **gqa)
+    if family == "qwen3_moe":  # fused experts in vLLM, per-expert tensors in the checkpoint
+        return transformers.Qwen3MoeConfig(num_experts=4, decoder_sparse_step=1,
+                                           mlp_only_layers=[], tie_word_embeddings=False,
+                                           **moe, **gqa)
+    if family == "deepseek_v2":  # MLA (kv_b_proj absorbed after loading) + MoE, shared expert
+        return transformers.DeepseekV2Config(
+            **{**common, "num_attention_heads": 2, "num_key_value_heads": 2},
+            q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+            v_head_dim=32, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+            topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+            rope_scaling=None, tie_word_embeddings=False,
+            **{**moe, "norm_topk_prob": False})  # transformers never renormalizes here
+    if family == "gemma2":  # (1 + w) norms, tied embeddings, soft-capping, sliding window
+        return transformers.Gemma2Config(
+            **gqa, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32,
+            sliding_window=4, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    if family == "phi3":  # qkv_proj / gate_up_proj fused in the checkpoint itself
+        return transformers.Phi3Config(**{**common, "num_key_value_heads": 4},
+                                       tie_word_embeddings=False)
+    if family == "qwen2_vl":  # language tower under model.language_model.*
+        text = {**common, "tie_word_embeddings": False,
+                "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}}
+        vision = {"depth": 1, "embed_dim": 64, "hidden_size": 128, "num_heads": 2,
+                  "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2}
+        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision,
+                                          image_token_id=VOCAB - 3, video_token_id=VOCAB - 2,
+                                          vision_start_token_id=VOCAB - 5,
+                                          vision_end_token_id=VOCAB - 4,
+                                          tie_word_embeddings=False)
+    raise ValueError(f"unknown family {family!r}")
 
 
 def build_model(arch: str, seed: int) -> torch.nn.Module:
     """A transformers model of `arch` with every parameter drawn by `random_weights(seed)`."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    auto = (transformers.AutoModelForImageTextToText if arch == "qwen2_vl"
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_config(_config(arch), dtype=torch.float32)
     random_weights(model, seed)
+    if arch == "gemma2":  # its embeddings are scaled by sqrt(hidden): let the layers keep up
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("post_attention_layernorm.weight",
+                                  "post_feedforward_layernorm.weight")):
+                    p.mul_(40.0)
     return model.to(DTYPE).eval()
 
 
@@ -77,6 +130,47 @@ def random_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             new = torch.randn(p.shape, generator=gen) * scale / math.sqrt(p.shape[-1])
         p.copy_(new.to(p.dtype))
     return model
+
+
+FP8_BLOCK = 128
+
+
+@torch.no_grad()
+def make_block_fp8(path: str, seed: int, quantized: bool = True) -> str:
+    """A tiny Qwen3 checkpoint quantized the way DeepSeek/Qwen3-FP8 ship theirs: every linear
+    weight `float8_e4m3fn` in 128 x 128 blocks with a float32 `weight_scale_inv` per block,
+    embeddings and norms in bf16. `quantized=False`: the same weights in bf16 (what a trainer
+    holds)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from .patches.vllm_block_fp8 import SCALE, quantize
+
+    config = _config("qwen3")
+    config.num_key_value_heads = 4  # 4 x 32: every projection is a multiple of a block
+    model = random_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
+    model = model.to(torch.bfloat16)
+    save_model(model, path)
+    if not quantized:
+        return path
+    out = {}
+    for name, t in model.state_dict().items():
+        if t.ndim == 2 and name.endswith("proj.weight"):
+            out[name], out[name + SCALE] = quantize(t, (FP8_BLOCK, FP8_BLOCK))
+        else:
+            out[name] = t.contiguous()
+    os.remove(os.path.join(path, "model.safetensors"))
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    saved["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    return path
 
 
 def save_tokenizer(path: str) -> None:

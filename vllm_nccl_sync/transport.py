@@ -13,7 +13,8 @@ moment the deadline passes, whatever the caller's thread is blocked in. An abort
 `broken` for good; the next join builds a new one. Gloo collectives time out on their own
 (`timeout_s`). On gloo the trainer sends each receiver its bytes point to point, so a receiver can
 post its whole buffer: a sender that sends more than it announced is caught (the bytes past
-`length` change) instead of making gloo abort the process.
+`length` change) instead of making gloo abort the process; and a receiver that died does not stop
+the others from getting every bucket they agreed to (later sends skip it).
 """
 
 from __future__ import annotations
@@ -101,18 +102,29 @@ class PeerFailed(RuntimeError):
 
 
 class _Works:
-    """Gloo point-to-point operations, one per peer, as one handle; `wait` is bounded."""
+    """Gloo point-to-point operations, one per peer, as one handle; `wait` is bounded.
 
-    def __init__(self, works: dict[int, Any], timeout: timedelta) -> None:
+    A failed peer does not hold up the others: every operation is waited for, the failed peers
+    are added to `lost` (the transport's, so later broadcasts skip them), and the first failure
+    is raised."""
+
+    def __init__(self, works: dict[int, Any], timeout: timedelta, lost: set[int]) -> None:
         self._works = works
         self._timeout = timeout
+        self._lost = lost
 
     def wait(self) -> bool:
+        failed: list[tuple[int, RuntimeError]] = []
         for rank, w in self._works.items():
             try:
                 w.wait(self._timeout)
             except RuntimeError as e:
-                raise PeerFailed(f"data-plane transfer with rank {rank} failed: {e}", rank) from e
+                failed.append((rank, e))
+        self._works = {}
+        if failed:
+            self._lost.update(r for r, _ in failed)
+            rank, e = failed[0]
+            raise PeerFailed(f"data-plane transfer with rank {rank} failed: {e}", rank) from e
         return True
 
 
@@ -164,6 +176,8 @@ class Transport:
         store = dist.PrefixStore("vllm_nccl_sync", self._store)
         self.bytes_moved = 0
         self.collectives = 0
+        self.lost: set[int] = set()
+        """Gloo: peers whose transfer failed (gone); later broadcasts from here skip them."""
         if cfg.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self._timeout
@@ -302,9 +316,9 @@ class Transport:
         if self.backend == "gloo":
             tag = self.collectives % (1 << 30)
             if self.rank != src:
-                return _Works({src: self.pg.recv([tensor], src, tag)}, self._timeout)
+                return _Works({src: self.pg.recv([tensor], src, tag)}, self._timeout, self.lost)
             return _Works({r: self.pg.send([tensor], r, tag) for r in range(self.world_size)
-                           if r != src}, self._timeout)
+                           if r != src and r not in self.lost}, self._timeout, self.lost)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0

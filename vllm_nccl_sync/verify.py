@@ -4,16 +4,18 @@ Engine side: `Ext.nccl_sync_checksums(names)` hashes the parameters as the worke
 (`module_checksums`), under vLLM's names. Trainer side: `verify(source, engine)` hashes a
 safetensors checkpoint directory or live `(name, tensor)` pairs under the HF names and compares.
 
-Not everything the trainer sends can be compared to what vLLM keeps, and the report says so per
-tensor instead of guessing:
+Every engine parameter is rebuilt from the source tensors it is made of, the way vLLM's loaders
+lay them out, using the model's own structures (reported by the engine with its checksums): its
+`hf_to_vllm_mapper` (e.g. a VLM's `model.language_model.*`), `packed_modules_mapping` (`qkv_proj`
+= q, k, v; `gate_up_proj` = gate, up; or the fused tensor itself, as Phi-3 ships it), its expert
+mapping (`w13` = gate, up per expert; `w2` = down), this worker's TP shard, and vocabulary
+padding (zeros). A floating source of another dtype is cast to the engine's dtype first, exactly
+as loading does. On GPU every parameter is compared this way.
 
-* equal names and shapes: compared byte for byte (a floating tensor of another dtype is cast to the
-  engine's dtype first, exactly as loading does);
-* vLLM's stacked parameters (`qkv_proj` = q, k, v; `gate_up_proj` = gate, up): compared as the
-  concatenation of their parts when the engine runs one TP rank;
-* **not comparable**, with the reason: a weight vLLM's CPU backend packed for its GEMM kernels (its
-  `weight` is size 0 after start-up; on the CPU backend this is every linear layer), a TP shard or
-  padded tensor (shape differs), a stacked parameter under TP > 1, a name the engine does not have.
+What cannot be compared is reported per tensor with the reason, never guessed: a linear weight
+vLLM's CPU backend packed for its GEMM kernels (size 0 after start-up: every linear on CPU; its
+kernel does not give it back reproducibly), experts a backend re-laid out (vLLM's CPU MoE
+pre-packing), fused experts under TP, a name the engine does not have.
 """
 
 from __future__ import annotations
@@ -27,10 +29,8 @@ from typing import Any
 
 import torch
 
-STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-"""vLLM parameter -> the HF parameters concatenated (along dim 0) into it."""
-_PART_OF = {part: stacked for stacked, parts in STACKED.items() for part in parts}
 _PACKED = "packed by vLLM's CPU backend (its weight is size 0)"
+_SHARDS = ("w1", "w3")  # vLLM's shard ids of an expert's gate and up projections, in w13 order
 
 
 def _bytes(t: torch.Tensor):
@@ -51,22 +51,114 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @torch.no_grad()
 def module_checksums(model: torch.nn.Module, names: list[str] | None = None) -> dict[str, dict]:
-    """`{name: {dtype, shape, numel, sha256}}` of `model`'s parameters (tied ones under each name).
+    """`{name: {dtype, shape, numel, sha256, ...}}` of `model`'s parameters (tied or shared ones
+    under each name, with `alias_of` the first), with what `compare` needs to rebuild each from checkpoint tensors: `parts` (the HF
+    names concatenated into it, with their alternative spellings), `output_dim`/`input_dim` (its
+    TP-sharded dim), `experts` (for fused expert weights).
 
-    Size-0 parameters (vLLM CPU's packed linears) get `sha256 = ""`. `names` limits the work.
+    What cannot be read in checkpoint layout gets `sha256 = ""` and a `note` saying why: a linear
+    weight vLLM's CPU backend packed away (size 0), experts a MoE backend re-laid out. `names`
+    limits the work.
     """
     wanted = set(names) if names is not None else None
     out: dict[str, dict] = {}
     cache: dict[tuple[int, int], str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if (wanted is not None and name not in wanted) or p.is_meta:
-            continue
-        key = (p.data_ptr(), p.numel())
-        if p.numel() and key not in cache:
-            cache[key] = digest(p)
-        out[name] = {"dtype": _dtype_name(p.dtype), "shape": list(p.shape), "numel": p.numel(),
-                     "sha256": cache.get(key, "") if p.numel() else ""}
+    layouts = _Layouts(model)
+    first: dict[int, str] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            if p is None or (wanted is not None and name not in wanted) or p.is_meta:
+                continue
+            if (canonical := first.setdefault(id(p), name)) != name:
+                out[name] = {**out[canonical], **layouts.of(name, p), "alias_of": canonical}
+                continue
+            note = ""
+            if p.numel() == 0 and hasattr(module, "cpu_linear"):
+                note = _PACKED
+            elif pname in ("w13_weight", "w2_weight") and _relaid(module):
+                note = "experts re-laid out by vLLM's MoE backend (not readable as checkpoint)"
+            key = (p.data_ptr(), p.numel())
+            if p.numel() and key not in cache and not note:
+                cache[key] = digest(p)
+            out[name] = {"dtype": _dtype_name(p.dtype), "shape": list(p.shape),
+                         "numel": p.numel(), "sha256": cache.get(key, ""),
+                         "note": note, **layouts.of(name, p)}
     return out
+
+
+def _relaid(module: torch.nn.Module) -> bool:
+    from .patches.vllm_postload import relaid_experts
+
+    return relaid_experts(module) is not None
+
+
+class _Layouts:
+    """Where each vLLM parameter's values come from in HF terms, from the model's own structures:
+    `hf_to_vllm_mapper` (inverted), `packed_modules_mapping`, its expert mapping."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        mapper = getattr(type(model), "hf_to_vllm_mapper", None)
+        self.renames: list[tuple[str, str, str]] = []  # (kind, vLLM spelling, HF spelling)
+        for kind in ("prefix", "substr", "suffix"):
+            for orig, new in (getattr(mapper, f"orig_to_new_{kind}", None) or {}).items():
+                if new:
+                    self.renames.append((kind, new, orig))
+        self.packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self.expert_map: list[tuple[str, str, int, str]] = []
+        for holder in (model, getattr(model, "model", None)):
+            get = getattr(holder, "get_expert_mapping", None)
+            if callable(get):
+                try:
+                    self.expert_map = [m for m in get() if m[1].endswith("_proj.")]
+                except Exception:  # noqa: BLE001 - then the conventional names are used
+                    self.expert_map = []
+                break
+
+    def spellings(self, name: str) -> list[str]:
+        """`name` and every HF name the model's mapper would turn into it."""
+        out = [name]
+        for kind, new, orig in self.renames:
+            if kind == "prefix" and name.startswith(new):
+                out.append(orig + name[len(new):])
+            elif kind == "suffix" and name.endswith(new):
+                out.append(name[: -len(new)] + orig)
+            elif kind == "substr" and new in name:
+                out.append(name.replace(new, orig))
+        return list(dict.fromkeys(out))
+
+    def of(self, name: str, p: torch.Tensor) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        for attr in ("output_dim", "input_dim"):
+            if isinstance(getattr(p, attr, None), int):
+                info[attr] = getattr(p, attr)
+        if (experts := self._experts(name, p)) is not None:
+            info["experts"] = experts
+            return info
+        options = [[self.spellings(name)]]
+        for stacked, members in self.packed.items():
+            if f".{stacked}." in name:
+                options.append([self.spellings(name.replace(f".{stacked}.", f".{m}."))
+                                for m in members])
+        info["parts"] = options
+        return info
+
+    def _experts(self, name: str, p: torch.Tensor) -> list[list[str]] | None:
+        """Per expert and shard (w13: gate then up), the HF names of a fused expert weight."""
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in ("w13_weight", "w2_weight") or p.dim() != 3:
+            return None
+        if self.expert_map:
+            rows = sorted((e, _SHARDS.index(s) if s in _SHARDS else 0, name.replace(pn, wn))
+                          for pn, wn, e, s in self.expert_map
+                          if pn in name and (s == "w2") == (leaf == "w2_weight"))
+            if rows:
+                return [self.spellings(hf) for _, _, hf in rows]
+        base = name[: -len(leaf)].replace(".routed_experts.", ".")
+        projs = ([("gate_proj", "w1"), ("up_proj", "w3")] if leaf == "w13_weight"
+                 else [("down_proj", "w2")])
+        return [self.spellings(f"{base}{e}.{hf}.weight") + self.spellings(f"{base}{e}.{alt}.weight")
+                for e in range(p.shape[0]) for hf, alt in projs]
 
 
 # --------------------------------------------------------------------------- trainer side
@@ -79,6 +171,9 @@ def checkpoint_tensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
     if os.path.isfile(path):
         files = [path]
     else:
+        from .handshake import local_model_dir
+
+        path = local_model_dir(path) or path  # a model id in the local hub cache
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors under {path}")
@@ -151,76 +246,103 @@ def _expected(tensors: list[torch.Tensor], dtype: str) -> tuple[str | None, str]
 
 def compare(source: Any, workers: list[dict]) -> VerifyReport:
     """Compare `source` (checkpoint path, dict or `(name, tensor)` pairs) with each worker's
-    `nccl_sync_checksums()` result."""
+    `nccl_sync_checksums()` result: every engine parameter is rebuilt from the source tensors it
+    is made of (stacked parts, experts, this worker's TP shard, vocabulary padding) and hashed."""
     src = _source(source)
     report = VerifyReport()
-    covered: set[str] = set()
     for w, result in enumerate(workers):
         params: dict[str, dict] = result["params"]
-        tp = int(result.get("tp_size", 1))
-        group_done: dict[str, tuple[str, str]] = {}
-        for name in sorted(src):
-            p = params.get(name)
-            if p is not None:
-                covered.add(name)
-                t = src[name]()
-                if p["numel"] == 0 and t.numel() > 0:
-                    report.entries.append(Entry(name, w, "not_comparable", _PACKED))
-                elif list(t.shape) != p["shape"]:
-                    report.entries.append(Entry(name, w, "not_comparable",
-                                                f"engine holds shape {p['shape']}, source "
-                                                f"{list(t.shape)} (TP shard or padding)"))
-                else:
-                    want, note = _expected([t], p["dtype"])
-                    status = ("not_comparable" if want is None
-                              else "match" if want == p["sha256"] else "mismatch")
-                    report.entries.append(Entry(name, w, status, note))
+        tp, rank = int(result.get("tp_size", 1)), int(result.get("tp_rank", 0))
+        status_of: dict[str, tuple[str, str]] = {}
+        engine_only = []
+        for pname, p in sorted(params.items()):
+            names, missing = _sources(p, src)
+            if not names:
+                if "alias_of" not in p:  # a module reachable under two names (tied or shared)
+                    engine_only.append(pname)
                 continue
-            report.entries.append(Entry(name, w, *_stacked(name, src, params, tp, group_done,
-                                                           covered)))
+            if missing:
+                st = ("not_comparable", f"as part of {pname}: the source lacks {missing[:3]}")
+            else:
+                st = _check(pname, p, [src[n]() for n in names], tp, rank)
+            for n in names:
+                status_of.setdefault(n, st)
+        for name in sorted(src):
+            status, detail = status_of.get(
+                name, ("not_comparable", "the engine has no parameter of this name"))
+            report.entries.append(Entry(name, w, status, detail))
         if w == 0:
-            report.engine_only = sorted(set(params) - covered)
+            report.engine_only = engine_only
     return report
 
 
-def _stacked(name: str, src: dict, params: dict, tp: int, done: dict,
-             covered: set[str]) -> tuple[str, str]:
-    """(status, detail) of HF `name` that vLLM holds inside a stacked parameter, if it does."""
-    parts = name.split(".")
-    stacked_name = None
-    for i, part in enumerate(parts):
-        if part in _PART_OF:
-            stacked_parts = STACKED[_PART_OF[part]]
-            members = [".".join(parts[:i] + [m] + parts[i + 1:]) for m in stacked_parts]
-            stacked_name = ".".join(parts[:i] + [_PART_OF[part]] + parts[i + 1:])
-            break
-    if stacked_name is None or stacked_name not in params:
-        return "not_comparable", "the engine has no parameter of this name"
-    covered.add(stacked_name)
-    if stacked_name in done:
-        return done[stacked_name]
-    p = params[stacked_name]
-    where = f"as part of {stacked_name}"
-    missing = [m for m in members if m not in src]
-    if p["numel"] == 0:
-        out = ("not_comparable", f"{where}: {_PACKED}")
-    elif tp > 1:
-        out = ("not_comparable", f"{where}: sharded across {tp} TP ranks")
-    elif missing:
-        out = ("not_comparable", f"{where}: the source lacks {missing}")
+def _sources(p: dict, src: dict) -> tuple[list[str], list[str]]:
+    """(source names that make up engine parameter `p`, in order; names it lacks)."""
+    if "experts" in p:
+        rows = p["experts"]
+        found = [next((n for n in row if n in src), None) for row in rows]
+        names = [n for n in found if n is not None]
+        return names, ([row[0] for row, n in zip(rows, found) if n is None] if names else [])
+    best: tuple[list[str], list[str]] = ([], [])
+    for option in p.get("parts", []):
+        found = [next((n for n in part if n in src), None) for part in option]
+        names = [n for n in found if n is not None]
+        missing = [part[0] for part, n in zip(option, found) if n is None]
+        if names and not missing:
+            return names, []
+        if names and not best[0]:
+            best = (names, missing)
+    return best
+
+
+def _shard(t: torch.Tensor, dim: int, size: int, tp: int, rank: int) -> torch.Tensor | None:
+    """This rank's `size` entries of `t` along `dim`: an even TP shard, or one of a tensor
+    zero-padded to `size * tp` (vLLM's vocabulary padding); None if neither fits."""
+    full = t.shape[dim]
+    if size * tp < full:
+        return None
+    if size * tp > full:
+        pad = list(t.shape)
+        pad[dim] = size * tp - full
+        t = torch.cat([t, t.new_zeros(pad)], dim)
+    return t.narrow(dim, rank * size, size)
+
+
+def _check(pname: str, p: dict, tensors: list[torch.Tensor], tp: int, rank: int
+           ) -> tuple[str, str]:
+    """(status, detail) of engine parameter `p` against the source tensors it is made of."""
+    where = f"as part of {pname}" if len(tensors) > 1 else ""
+
+    def said(detail: str) -> str:
+        return f"{where}: {detail}" if where and detail else where or detail
+
+    if not p["sha256"]:
+        return "not_comparable", said(p.get("note") or "the engine holds it empty")
+    shape = list(p["shape"])
+    if "experts" in p:
+        per = [list(t.shape) for t in tensors[: max(1, len(tensors) // shape[0])]]
+        full = [shape[0], sum(s[0] for s in per), *per[0][1:]]
+        if full != shape:
+            return "not_comparable", said(f"engine shape {shape} != experts {full} (TP shard)")
     else:
-        tensors = [src[m]() for m in members]
-        shape = [sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]]
-        if shape != p["shape"]:
-            out = ("not_comparable", f"{where}: engine shape {p['shape']} != stacked {shape}")
-        else:
-            want, note = _expected(tensors, p["dtype"])
-            if want is None:
-                out = ("not_comparable", f"{where}: {note}")
-            else:
-                out = ("match" if want == p["sha256"] else "mismatch", where + note)
-    done[stacked_name] = out
-    return out
+        full = [sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]]
+        dims = [d for d in range(len(shape)) if len(full) == len(shape) and full[d] != shape[d]]
+        if len(full) != len(shape) or len(dims) > 1 or (dims and len(tensors) > 1 and dims[0]):
+            return "not_comparable", said(f"engine holds shape {shape}, source {full}")
+        if dims:
+            d = dims[0]
+            sizes = ([t.shape[d] * shape[d] // full[d] for t in tensors] if len(tensors) > 1
+                     else [shape[d]])
+            cut = [_shard(t, d, n, tp, rank) for t, n in zip(tensors, sizes)]
+            if any(c is None for c in cut) or sum(c.shape[d] for c in cut) != shape[d]:
+                return "not_comparable", said(f"engine holds shape {shape}, source {full}")
+            tensors = cut
+            where = (where + " " if where else "") + (
+                f"(TP shard {rank}/{tp})" if tp > 1 else "(padded)")
+    want, note = _expected(tensors, p["dtype"])
+    if want is None:
+        return "not_comparable", said(note)
+    return ("match" if want == p["sha256"] else "mismatch"), where + note
 
 
 def verify(source: Any, engine: Any, names: list[str] | None = None,

@@ -13,6 +13,11 @@ vLLM's. Three ways, chosen per model (`mode="auto"`):
 * CPU backend, where vLLM packs linear weights after loading: `begin()`/`finish()` unpack and
   re-pack them through `patches.vllm_cpu_repack`.
 
+Whatever the mode, the per-layer rule of `patches.vllm_postload` applies on top: layers in kernel
+format that the mode does not cover (e.g. experts pre-packed by the CPU MoE backend) go through the
+layerwise reload on their own, and layers holding tensors derived from other layers (MLA's
+`W_UK_T`/`W_UV`) are re-processed in place after the update.
+
 vLLM is imported lazily.
 """
 
@@ -57,6 +62,29 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def _outside(names: set[str], modules: list[str]) -> set[str]:
+    """`names` without the parameters of `modules`."""
+    return {n for n in names if not any(n.startswith(m + ".") for m in modules)}
+
+
+def _fp8_blocks(vllm_config: Any) -> dict[str, tuple[int, int]]:
+    """`{HF weight name: block}` of the weights the engine's checkpoint stores block-FP8."""
+    block = getattr(vllm_config.quant_config, "weight_block_size", None)
+    if not block:
+        return {}
+    from .handshake import local_model_dir, read_safetensors_index
+    from .patches.vllm_block_fp8 import blocks_of
+
+    mc = vllm_config.model_config
+    path = local_model_dir(mc.model, getattr(mc, "revision", None))
+    return blocks_of(read_safetensors_index(path), block) if path else {}
+
+
+def _tied(vllm_config: Any) -> bool:
+    mc = vllm_config.model_config
+    return bool(getattr(mc.hf_text_config, "tie_word_embeddings", False))
+
+
 class VllmWeightLoader:
     """Loads full HF-named tensors into a vLLM worker's model: `begin()`, `load()`*, `finish()`.
 
@@ -77,15 +105,25 @@ class VllmWeightLoader:
         """auto: layerwise if a linear layer is quantized, else plain. The CPU backend re-packs
         whatever the mode."""
         self._lw: Any = None  # patches.vllm_layerwise when used, False when not (resolved lazily)
+        self._lw_layers: list[torch.nn.Module] | None = None  # None: every layer goes layerwise
+        self._post: Any = None  # patches.vllm_postload (resolved lazily)
         self._lw_active = False  # a layerwise update is in progress
         self._retained_peak = 0
         # vLLM rejects a tied alias sent without its canonical name: see load()
         self.aliases = tied_aliases(self.model)
+        if "lm_head.weight" not in self.aliases and _tied(self.vllm_config):
+            # models without an lm_head module (e.g. Gemma): it is the embedding
+            params = dict(self.model.named_parameters())
+            embed = [n for n in params if n.endswith("embed_tokens.weight")]
+            if "lm_head.weight" not in params and len(embed) == 1:
+                self.aliases["lm_head.weight"] = embed[0]
         self._cpu: Any = None  # patches.vllm_cpu_repack, on the CPU backend only
         # layers unpacked by begin() and not yet re-packed (None: no update in progress)
         self._unpacked: list[Any] | None = None
         self.loaded: set[str] = set()
         self.stats: dict[str, int] = {}
+        self._postload()  # refuses a model that cannot be updated in place, saying why
+        self._fp8_blocks = _fp8_blocks(self.vllm_config)
 
     def _repacker(self) -> Any:
         if self._cpu is None:
@@ -96,16 +134,31 @@ class VllmWeightLoader:
                 vllm_cpu_repack.check_version()
         return self._cpu
 
-    def _layerwise(self) -> Any:
-        """patches.vllm_layerwise if this model is loaded layerwise, else False."""
-        if self._lw is None:
-            use = False
-            if self.mode != "plain" and not self._repacker():  # the CPU backend always re-packs
-                from .patches import vllm_layerwise
+    def _postload(self) -> Any:
+        """patches.vllm_postload; ValueError if the model cannot be updated in place."""
+        if self._post is None:
+            from .patches import vllm_postload
 
-                use = self.mode == "layerwise" or vllm_layerwise.applies(self.model)
-                if use:
-                    vllm_layerwise.check_version()
+            vllm_postload.check_version()
+            if why := vllm_postload.unsupported(self.model):
+                raise ValueError(f"this model cannot be updated in place: {why}")
+            self._post = vllm_postload
+        return self._post
+
+    def _layerwise(self) -> Any:
+        """patches.vllm_layerwise if any layer is loaded layerwise, else False (`_lw_layers`:
+        which layers, None for all)."""
+        if self._lw is None:
+            from .patches import vllm_layerwise
+
+            whole = self.mode != "plain" and not self._repacker() and (
+                self.mode == "layerwise" or vllm_layerwise.applies(self.model))
+            if not whole:  # the CPU backend always re-packs its linears; the rest by the rule
+                kernel = set(self._postload().transformed(self.model))
+                self._lw_layers = [m for n, m in self.model.named_modules() if n in kernel]
+            use = whole or bool(self._lw_layers)
+            if use:
+                vllm_layerwise.check_version()
             self._lw = vllm_layerwise if use else False
         return self._lw
 
@@ -120,7 +173,7 @@ class VllmWeightLoader:
         self._unpacked = cpu.unpack_linears(self.model) if cpu else []
         lw = self._layerwise()
         if lw:
-            lw.begin(self.model)
+            lw.begin(self.model, self._lw_layers)
             self._lw_active = True
             self._retained_peak = 0
 
@@ -138,6 +191,10 @@ class VllmWeightLoader:
             for n, t in named_tensors
             if n not in self.aliases or self.aliases[n] not in names
         ]
+        if self._fp8_blocks:  # bf16 for a block-FP8 weight: quantized as the checkpoint is
+            from .patches.vllm_block_fp8 import expand
+
+            batch = expand(batch, self._fp8_blocks)
         done = set(self.model.load_weights(iter(batch)) or ())
         self.loaded |= done
         if self._lw_active:  # incomplete layers must not keep views of the caller's buffer
@@ -146,13 +203,18 @@ class VllmWeightLoader:
         return done
 
     def finish(self) -> None:
-        """Make the loaded weights take effect (CPU: re-pack) and release temporary full weights."""
+        """Make the loaded weights take effect (CPU: re-pack; kernel-format layers: process;
+        derived tensors: refresh) and release temporary full weights.
+
+        Raises ValueError, after keeping their old values, if layers loaded layerwise on their own
+        got only part of their elements (e.g. some experts of an MoE layer)."""
         if self._unpacked is None:
             return
-        if self._lw_active:
+        mc = self.vllm_config.model_config
+        if self._lw_active and self._lw_layers is None:
             self._lw_active = False
             self._unpacked = None
-            self._lw.finish(self.model, self.vllm_config.model_config)
+            self._lw.finish(self.model, mc)
             self.stats = {"layerwise": 1, "retained_peak_bytes": self._retained_peak}
             return
         cpu = self._repacker()
@@ -164,7 +226,21 @@ class VllmWeightLoader:
         self._unpacked = None
         if cpu:
             counts["kept_repacked"] = cpu.repack_kept(self.model)
+        partial: list[str] = []
+        if self._lw_active:
+            self._lw_active = False
+            partial = self._lw.partial(self.model)
+            (self._lw.abort if partial else self._lw.finish)(self.model, mc)
+            counts["layerwise_layers"] = len(self._lw_layers or ())
+            counts["retained_peak_bytes"] = self._retained_peak
+        post = self._postload()
+        counts["experts_relaid"] = post.refresh_experts(self.model, _outside(self.loaded, partial))
+        counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded)
         self.stats = counts
+        if partial:
+            raise ValueError(f"{len(partial)} layer(s) got only part of their weights and keep "
+                             f"their old values: {', '.join(partial[:4])}; send every tensor of "
+                             "such a layer (e.g. all experts of an MoE layer) in one update")
 
     def abort(self) -> None:
         """Best effort after a failed update: re-pack what was loaded, restore what was not.
@@ -172,17 +248,22 @@ class VllmWeightLoader:
         Every layer ends up usable (old, new or a mix of weights), so the engine keeps serving."""
         if self._unpacked is None:
             return
+        mc = self.vllm_config.model_config
         if self._lw_active:  # layers loaded in full keep the new weights, the rest the old ones
             self._lw_active = False
-            self._unpacked = None
             try:
-                self._lw.abort(self.model, self.vllm_config.model_config)
+                partial = self._lw.partial(self.model)
+                self.loaded = _outside(self.loaded, partial)  # they keep their old tensors
+                self._lw.abort(self.model, mc)
             except Exception:
                 log.exception("finalizing the layerwise reload after a failed update failed")
-            return
+            if self._lw_layers is None:
+                self._unpacked = None
+                return
         cpu = self._repacker()
         entries, self._unpacked = self._unpacked, None
         if not cpu:
+            self._refresh_after_abort(mc)
             return
         for e in entries:
             try:
@@ -199,6 +280,14 @@ class VllmWeightLoader:
             cpu.repack_kept(self.model)
         except Exception:
             log.exception("re-packing the LM head/embeddings failed")
+        self._refresh_after_abort(mc)
+
+    def _refresh_after_abort(self, model_config: Any) -> None:
+        try:
+            self._postload().refresh_experts(self.model, self.loaded)
+            self._postload().refresh_derived(self.model, model_config, self.loaded)
+        except Exception:
+            log.exception("refreshing derived tensors after a failed update failed")
 
     def param_pointers(self) -> dict[str, int]:
         """data_ptr of every non-empty parameter and buffer vLLM keeps."""

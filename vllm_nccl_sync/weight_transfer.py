@@ -132,6 +132,7 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
         self.last: dict[str, Any] | None = None
         """Summary of the last update (ok, version, consistent, bytes, error, ...)."""
         self._loader: Any = None
+        self._adapters: Any = None  # lora.AdapterStore, LoRA engines only (outlives re-joins)
 
     def init_transfer_engine(self, init_info: NcclSyncInitInfo) -> None:
         """Join the trainer's transfer group (blocks until the trainer connects, bounded)."""
@@ -141,7 +142,7 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
         self.shutdown()
         try:
             self.receiver, self.where = join(cfg, int(init_info.rank_offset), self.vllm_config,
-                                             self.device, self.state)
+                                             self.device, self.state, self._adapter_loaders())
         except Exception as e:
             raise RuntimeError(f"nccl_sync: could not join the trainer at {cfg.host} "
                                f"(control port {cfg.control_port}, group port {cfg.group_port}) "
@@ -162,6 +163,7 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
     def receive_weights(self, update_info: NcclSyncUpdateInfo) -> None:
         """Run `Receiver.receive` while the trainer pushes; raise if the update failed."""
         receiver = self._require_joined()
+        adapters_before = dict(self.state.adapters)
         summary = receiver.receive(self._loader_for(self.model), update_info.timeout_s)
         self.last = summary
         if not summary.get("ok"):
@@ -171,7 +173,9 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
                     "update (consistent: false until the next complete update)")
             raise RuntimeError(f"nccl_sync: update {update_info.version} failed on rank "
                                f"{receiver.rank}: {summary.get('error')} ({held})")
-        if summary.get("version") != update_info.version:
+        adapter = any(v == update_info.version and adapters_before.get(n) != v
+                      for n, v in self.state.adapters.items())  # a LoRA adapter's update
+        if summary.get("version") != update_info.version and not adapter:
             raise RuntimeError(f"nccl_sync: rank {receiver.rank} received update "
                                f"{summary.get('version')}, but update_weights announced "
                                f"{update_info.version}")
@@ -187,6 +191,17 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
                 receiver.close()
             except Exception:  # noqa: BLE001 - shutting down must not fail the engine
                 log.exception("nccl_sync: closing the receiver failed")
+
+    def _adapter_loaders(self) -> Any:
+        """`AdapterStore.loader` when the engine runs with LoRA enabled, else None."""
+        if getattr(self.vllm_config, "lora_config", None) is None:
+            return None
+        if self._adapters is None:
+            from .lora import AdapterStore
+            from .worker_glue import reference
+
+            self._adapters = AdapterStore.for_model(self.model, reference(self.vllm_config))
+        return self._adapters.loader
 
     def _require_joined(self) -> Any:
         if self.receiver is None:
@@ -545,12 +560,29 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
                 callable(getattr(p, "full_tensor", None)) for p in module.parameters())
         return dict(iter(self.source)) if plan else iter(self.source)
 
+    def send_adapter(self, adapter: Any, version: int, *, name: str, lora_id: int,
+                     rank: int | None = None, alpha: float | None = None,
+                     target_modules: list[str] | None = None, force: bool = False
+                     ) -> PushResult | None:
+        """Push LoRA adapter `name` (id `lora_id`; a PEFT model, or a mapping of PEFT-named
+        tensors with `rank`, `alpha`, `target_modules`) as its own `version`, through the same
+        vLLM calls as `send_weights`; the engine adds it or replaces its weights (docs/lora.md).
+        vLLM's weight version label is left as it is."""
+        from .sync import adapter_update
+
+        if not self.is_sender:
+            return None
+        tensors, spec = adapter_update(adapter, name, lora_id, rank, alpha, target_modules)
+        return self.send_weights(version, force=force, adapter=(tensors, spec))
+
     def send_weights(self, version: int | None = None, *, force: bool = False,
-                     staged: bool | None = None) -> PushResult | None:
+                     staged: bool | None = None, adapter: tuple | None = None
+                     ) -> PushResult | None:
         """Push the source as `version` (default: the last one + 1) through vLLM's
         `start_weight_update` → `update_weights` (which receives while this pushes) →
         `finish_weight_update(weight_version=str(version))`. Called on every trainer rank;
-        others only iterate the source. Raises `WeightTransferFailed` naming both sides."""
+        others only iterate the source. Raises `WeightTransferFailed` naming both sides.
+        `adapter`: `(tensors, AdapterSpec)` pushed instead of the source (`send_adapter`)."""
         if not self.is_sender:
             for _ in self.source:  # materializing may be a collective among trainer ranks
                 pass
@@ -562,7 +594,7 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         cfg = self.sync_config
         version = self.version + 1 if version is None else int(version)
         staged = self.info.staged if staged is None else staged
-        tensors = self._tensors()
+        tensors = self._tensors() if adapter is None else adapter[0]
         dtype = getattr(torch, self.info.dtype) if self.info.dtype else None
         try:
             self.client.start_weight_update()
@@ -574,8 +606,9 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         rpc = _spawn("nccl_sync_update", self.client.update_weights,
                      {"version": version, "timeout_s": cfg.timeout_s})
         try:
-            result = self.push_client.push(tensors, version, dtype=dtype, force=force,
-                                           full=self.info.full, staged=staged)
+            result = self.push_client.push(
+                tensors, version, dtype=dtype, force=force, full=self.info.full and not adapter,
+                staged=staged, adapter=None if adapter is None else adapter[1])
         except Exception as e:
             engine = _outcome(rpc, bound)
             if engine is None:  # vLLM's session is still open: close it (no new label)
@@ -592,15 +625,19 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
             raise WeightTransferFailed(
                 f"{BACKEND} update {version} was committed by every worker, but vLLM's "
                 f"update_weights failed: {engine}", version=version, engine_error=engine)
-        self.version = version
         self.last_result = result
+        if adapter is not None:  # adapters have versions of their own: no base label
+            self._finish(None)
+            return result
+        self.version = version
         self._finish(version)
         return result
 
-    def _finish(self, version: int) -> None:
-        """`finish_weight_update`, labelling vLLM's weight version where vLLM has one."""
+    def _finish(self, version: int | None) -> None:
+        """`finish_weight_update`, labelling vLLM's weight version where vLLM has one (None:
+        no label)."""
         try:
-            if SURFACE.weight_version:
+            if SURFACE.weight_version and version is not None:
                 self.client.finish_weight_update(weight_version=str(version))
             else:
                 self.client.finish_weight_update()

@@ -85,8 +85,9 @@ def _recreate_weight(layer: torch.nn.Module) -> None:
     del layer.weight  # drop the size-0 placeholder (register_parameter refuses to overwrite)
     qm.create_weights(
         layer,
-        input_size_per_partition=layer.input_size_per_partition,
-        output_partition_sizes=layer.output_partition_sizes,
+        # ReplicatedLinear (e.g. an MoE router) keeps only the full sizes
+        input_size_per_partition=getattr(layer, "input_size_per_partition", layer.input_size),
+        output_partition_sizes=getattr(layer, "output_partition_sizes", [layer.output_size]),
         input_size=layer.input_size,
         output_size=layer.output_size,
         params_dtype=layer.params_dtype,

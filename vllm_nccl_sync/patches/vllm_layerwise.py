@@ -64,11 +64,32 @@ def applies(model: torch.nn.Module) -> bool:
     )
 
 
-def begin(model: torch.nn.Module) -> None:
-    """Put every layer back in checkpoint format on meta; loads are recorded until a layer is whole."""
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+def begin(model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
+    """Put every layer (or only `layers`) back in checkpoint format on meta; loads are recorded
+    until a layer is whole. Layers left out keep loading in place (`finish` passes them by)."""
+    if layers is None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    initialize_layerwise_reload(model)
+        initialize_layerwise_reload(model)
+        return
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in layers:  # what initialize_layerwise_reload does, for these layers only
+        info = layerwise.get_layerwise_info(layer)
+        if info.can_load():
+            continue
+        info.kernel_tensors = layerwise.get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        layerwise.restore_layer_on_meta(layer, info)
+        layerwise.initialize_online_processing(layer)
+
+
+def partial(model: torch.nn.Module) -> list[str]:
+    """Names of layers that got some, not all, of their elements in this update (processing them
+    would read uninitialized memory for the rest)."""
+    names = {m: n for n, m in model.named_modules()}
+    return [names[m] for m, info in _pending(model)
+            if info.load_numel_total is not None and 0 < info.load_numel < info.load_numel_total]
 
 
 def _pending(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:

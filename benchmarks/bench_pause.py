@@ -1,0 +1,453 @@
+"""The pause that requests served by `AsyncLLM` see around a weight update, against the push alone.
+
+    python benchmarks/bench_pause.py --layers 14 --updates 5 --json out.json   # 2 GPUs
+    python benchmarks/bench_pause.py --cpu-smoke --updates 2 --json out.json    # gloo, CPU vLLM
+
+This process is the trainer and the front end of a vLLM v1 `AsyncLLM` (what `vllm serve` runs):
+its engine core is a process of its own on `--engine-gpu`, its event loop runs in a thread here,
+and the trainer's `WeightSync` drives it through `AsyncLLMHandle` from the main thread, pushing
+from `--trainer-gpu` over NCCL. The model is `bench_vllm_gpu.py`'s Qwen2-7B-shaped bf16 model
+(`--layers 14`: 8.7 GB, 171 tensors; `load_format="dummy"`), with torch.compile and CUDA graphs
+unless `--eager`. `--clients` streaming clients on the engine's loop each keep one request in
+flight (random prompt ids, `--max-tokens` tokens, then the next request at once), so generation
+never stops on its own. Every token's arrival is time-stamped on the loop.
+
+Each update is a plain `WeightSync.update(tensors, version, pause_mode=...)`. The engine's own
+calls (`pause_generation`, `collective_rpc`, `reset_prefix_cache`, `resume_generation`) and
+`PushClient.push` are wrapped to record when they ran, so the measurement follows whatever those
+calls do. Per update:
+
+  stall        the gap in the engine's token stream (all clients) that contains the push's start:
+               last token before it to the first one after; what a user sees as the pause
+  push         `PushClient.push`, start to return: the transfer (plan, buckets, commit)
+  phases       last token -> pause called; pause call (vLLM 0.26 and 0.32 sleep 20 ms in it after
+               the engine paused); pause returned -> push; push; push returned -> receive RPCs
+               returned; prefix-cache reset; resume; resume returned -> first token (the first
+               step: with `keep`, the reset preempts the running requests, which recompute)
+  per client   each client's own gap around the push (median, max)
+
+The step interval (median gap between a client's consecutive tokens outside updates) is
+reported for scale. The target is stall <= push + 20 ms. After the timed updates the engine's
+weights are zeroed, one more update runs, and every engine parameter is compared bit for bit
+(exact int64 checksums) with the trainer's tensors; with `keep` and `wait` no request may be lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+SMOKE_DIMS = dict(hidden=128, inter=256, heads=4, kv_heads=2, vocab=1000)
+"""`--cpu-smoke`: vLLM CPU attention needs a head size of 32 or more."""
+GPU_ARGS = dict(layers=14, clients=16, prompt_len=128, max_tokens=256, settle_tokens=8,
+                bucket_mib=0)
+SMOKE_ARGS = dict(layers=2, clients=2, prompt_len=8, max_tokens=16, settle_tokens=4,
+                  bucket_mib=0.0625)
+"""Defaults of the options left out (bucket 0: the library's default)."""
+TARGET_S = 0.020
+"""The stall may exceed the push by at most this."""
+PHASES = ("lead_in", "pause", "to_push", "push", "to_rpc_return", "reset_prefix_cache", "resume",
+          "to_first_token")
+
+
+class Timeline:
+    """Start and end (`perf_counter`) of every wrapped call, in the order they ended."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def add(self, name: str, t0: float, t1: float, **extra: Any) -> None:
+        with self.lock:
+            self.events.append({"name": name, "t0": t0, "t1": t1, **extra})
+
+    def between(self, t0: float, t1: float) -> dict[str, dict[str, Any]]:
+        """The last event of each name that ran inside [t0, t1]."""
+        with self.lock:
+            return {e["name"]: e for e in self.events if e["t0"] >= t0 and e["t1"] <= t1}
+
+
+def instrument(engine: Any, client: Any, tl: Timeline) -> None:
+    """Record the engine calls `AsyncLLMHandle` makes and the trainer's push in `tl`."""
+
+    def wrap_async(name: str, fn: Any) -> Any:
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = await fn(*args, **kwargs)
+            label = f"rpc:{args[0] if args else kwargs.get('method')}" if name == "rpc" else name
+            extra = {"result": out} if label == "rpc:nccl_sync_receive" else {}
+            tl.add(label, t0, time.perf_counter(), **extra)
+            return out
+        return timed
+
+    for attr, name in (("pause_generation", "pause"), ("reset_prefix_cache", "reset_prefix_cache"),
+                       ("resume_generation", "resume"), ("collective_rpc", "rpc")):
+        setattr(engine, attr, wrap_async(name, getattr(engine, attr)))
+    push = client.push
+
+    def timed_push(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = push(*args, **kwargs)
+        tl.add("push", t0, time.perf_counter(), reported_s=out.seconds, buckets=out.buckets)
+        return out
+
+    client.push = timed_push
+
+
+# ----------------------------------------------------------------------------- the request stream
+
+
+class Stream:
+    """`clients` coroutines on the engine's loop, each keeping one streaming request in flight."""
+
+    def __init__(self, engine: Any, loop: Any, args: Any, vocab: int) -> None:
+        self.engine, self.loop, self.args, self.vocab = engine, loop, args, vocab
+        self.tokens: list[tuple[float, int]] = []  # (arrival, client), every streamed token
+        self.counts = [0] * args.clients
+        self.finished: dict[str, int] = {}
+        self.short: list[tuple[str, int]] = []  # requests that ended with fewer tokens
+        self.stop = threading.Event()
+        self.futs = [asyncio.run_coroutine_threadsafe(self._client(c), loop)
+                     for c in range(args.clients)]
+
+    async def _client(self, cid: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rng = random.Random(cid)
+        sp = SamplingParams(temperature=0.0, max_tokens=self.args.max_tokens, ignore_eos=True,
+                            detokenize=False)
+        n = 0
+        while not self.stop.is_set():
+            prompt = [rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]
+            got, reason = 0, None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt), sp,
+                                                  request_id=f"c{cid}-{n}"):
+                k = len(out.outputs[0].token_ids)
+                if k > got:
+                    t = time.perf_counter()
+                    self.tokens.extend([(t, cid)] * (k - got))
+                    self.counts[cid] += k - got
+                    got = k
+                reason = out.outputs[0].finish_reason
+            self.finished[str(reason)] = self.finished.get(str(reason), 0) + 1
+            if got != self.args.max_tokens:
+                self.short.append((str(reason), got))
+            n += 1
+
+    def check(self) -> None:
+        for f in self.futs:  # a client that failed raises its error here
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+
+    def wait_tokens(self, each: int, timeout_s: float, what: str) -> None:
+        """Until every client has streamed `each` more tokens than now (observed, bounded)."""
+        want = [c + each for c in self.counts]
+        end = time.monotonic() + timeout_s
+        while any(c < w for c, w in zip(self.counts, want)):
+            self.check()
+            if time.monotonic() > end:
+                raise TimeoutError(f"{what}: clients streamed {self.counts}, wanted {want} "
+                                   f"within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.stop.set()
+        for f in self.futs:
+            f.cancel()  # the in-flight request is aborted with its task
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def gap_around(times: list[float], t: float) -> tuple[float, float] | None:
+    """(last arrival <= t, first arrival > t) in sorted `times`, or None."""
+    import bisect
+
+    i = bisect.bisect_right(times, t)
+    return (times[i - 1], times[i]) if 0 < i < len(times) else None
+
+
+def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clients: int) -> dict:
+    """The stall and where it went, for one update whose calls are `ev`."""
+    times = sorted(t for t, _ in tokens)
+    push, rpc = ev["push"], ev.get("rpc:nccl_sync_receive")
+    gap = gap_around(times, push["t0"])
+    out = {**u, "push_s": push["t1"] - push["t0"], "push_reported_s": push["reported_s"],
+           "buckets": push["buckets"], "rpc_s": rpc and rpc["t1"] - rpc["t0"],
+           "rx_s": rpc and [s.get("seconds") for s in rpc["result"]],
+           "calls": sorted(ev),
+           "tokens_during_push": sum(push["t0"] < t < push["t1"] for t in times)}
+    if gap is None:
+        out["error"] = "no token before or after the push"
+        return out
+    stop, go = gap
+
+    def span(a: dict | None, ka: str, b: dict | None, kb: str) -> float | None:
+        return None if a is None or b is None else b[kb] - a[ka]
+
+    edge = {"t0": stop, "t1": go}  # the stall's ends, as pseudo-events
+    pause, reset, resume = ev.get("pause"), ev.get("reset_prefix_cache"), ev.get("resume")
+    out["stall_s"] = go - stop
+    out["phases_s"] = {
+        "lead_in": span(edge, "t0", pause, "t0"), "pause": span(pause, "t0", pause, "t1"),
+        "to_push": span(pause, "t1", push, "t0"), "push": span(push, "t0", push, "t1"),
+        "to_rpc_return": span(push, "t1", rpc, "t1"),
+        "reset_prefix_cache": span(reset, "t0", reset, "t1"),
+        "resume": span(resume, "t0", resume, "t1"),
+        "to_first_token": span(resume or reset or rpc, "t1", edge, "t1")}
+    out["phases_s"]["other"] = out["stall_s"] - sum(
+        x for x in out["phases_s"].values() if x is not None)
+    per = []
+    for c in range(clients):
+        g = gap_around(sorted(t for t, k in tokens if k == c), push["t0"])
+        if g is not None:
+            per.append(g[1] - g[0])
+    out["client_stall_s"] = {"median": statistics.median(per), "max": max(per)} if per else None
+    out["excess_s"] = out["stall_s"] - out["push_s"]
+    out["target_met"] = out["excess_s"] <= TARGET_S
+    return out
+
+
+def step_interval(tokens: list[tuple[float, int]], windows: list[tuple[float, float]]) -> float:
+    """Median gap between a client's consecutive token arrivals, over all clients, leaving out
+    the gaps that overlap an update (`windows`): the engine's step as the clients see it."""
+    gaps = []
+    for c in {k for _, k in tokens}:
+        times = sorted({t for t, k in tokens if k == c})
+        gaps += [b - a for a, b in zip(times, times[1:])
+                 if not any(w0 < b and a < w1 for w0, w1 in windows)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def summarise(updates: list[dict]) -> dict[str, dict]:
+    """Per pause mode: median and max of the stall, the push and every phase."""
+    out = {}
+    for mode in dict.fromkeys(u["mode"] for u in updates):
+        ok = [u for u in updates if u["mode"] == mode and "stall_s" in u]
+        if not ok:
+            continue
+
+        def mm(xs: list[float]) -> dict[str, float]:
+            return {"median": statistics.median(xs), "max": max(xs)}
+
+        out[mode] = {
+            "updates": len(ok), "stall_s": mm([u["stall_s"] for u in ok]),
+            "push_s": mm([u["push_s"] for u in ok]), "excess_s": mm([u["excess_s"] for u in ok]),
+            "client_stall_max_s": mm([u["client_stall_s"]["max"] for u in ok]),
+            "phases_s": {p: mm([u["phases_s"][p] for u in ok])
+                         if all(u["phases_s"][p] is not None for u in ok) else None
+                         for p in (*PHASES, "other")},
+            "target_met_all": all(u["target_met"] for u in ok),
+        }
+    return out
+
+
+def table(rep: dict) -> str:
+    def ms(d: dict | None) -> str:
+        return "-" if d is None else f"{d['median'] * 1e3:.1f} ({d['max'] * 1e3:.1f})"
+
+    gb, env = rep["model"]["bytes"] / 1e9, rep["env"]
+    lines = [f"`{rep['command']}`", "",
+             f"Machine: {env.get('gpu', 'CPU (gloo)')}, torch {env.get('torch')}, CUDA "
+             f"{env.get('cuda')}, NCCL {env.get('nccl', '-')}, vLLM {env.get('vllm', '-')}; "
+             f"engine {'with' if rep['compiled'] else 'without'} torch.compile + CUDA graphs.", "",
+             f"Model: {gb:.2f} GB bf16, {rep['model']['tensors']} tensors; {rep['clients']} "
+             f"streaming clients; step interval {rep['step_interval_s'] * 1e3:.1f} ms; "
+             f"median (max) of {rep['updates_per_mode']} updates per mode, ms.", "",
+             "| mode | stall | push | stall - push | worst client | "
+             + " | ".join(PHASES) + " | other | stall <= push + 20 ms |",
+             "| --- " * (len(PHASES) + 7) + "|"]
+    for mode, s in rep["summary"].items():
+        lines.append(f"| {mode} | {ms(s['stall_s'])} | {ms(s['push_s'])} | {ms(s['excess_s'])} "
+                     f"| {ms(s['client_stall_max_s'])} | "
+                     + " | ".join(ms(s["phases_s"][p]) for p in (*PHASES, "other"))
+                     + f" | {'yes' if s['target_met_all'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def start_engine(args: Any, path: str, loop: Any) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    ea = AsyncEngineArgs(
+        model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        enforce_eager=args.eager or args.cpu_smoke, gpu_memory_utilization=args.gpu_mem,
+        max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.clients, seed=0,
+        worker_extension_cls="bench_vllm_gpu.BenchExt")
+
+    async def make() -> Any:
+        return AsyncLLM.from_engine_args(ea)
+
+    return asyncio.run_coroutine_threadsafe(make(), loop).result(args.start_s)
+
+
+def run(args: Any) -> dict:
+    import tempfile
+
+    import torch
+
+    import bench_vllm_gpu as bvg
+    from vllm_nccl_sync.engines import AsyncLLMHandle
+    from vllm_nccl_sync.sync import WeightSync
+
+    if args.cpu_smoke:
+        bvg.DIMS.update(SMOKE_DIMS)
+    path = bvg.save_config(tempfile.mkdtemp(prefix="bench-pause-"), args.layers)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    t0 = time.perf_counter()
+    engine = start_engine(args, path, loop)
+    startup = time.perf_counter() - t0
+    stream = sync = None
+    try:
+        dev = None if args.cpu_smoke else torch.device("cuda", 1)  # see main(): the trainer's GPU
+        if dev is not None:
+            torch.cuda.set_device(dev)  # NCCL and every trainer tensor on it, never the engine's
+        g = torch.Generator(device=dev or "cpu").manual_seed(1234)
+        tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_(generator=g)
+                   for n, s in bvg.model_spec(args.layers)}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        expected = bvg.checksums(bvg.vllm_layout(tensors))
+        handle = AsyncLLMHandle(engine, loop, call_timeout_s=args.timeout_s)
+        bucket = int(args.bucket_mib * (1 << 20)) if args.bucket_mib else None
+        sync = WeightSync([handle], backend="gloo" if args.cpu_smoke else "nccl",
+                          bucket_bytes=bucket, timeout_s=args.timeout_s, device=dev)
+        sync.connect()
+        tl = Timeline()
+        instrument(engine, sync.client, tl)
+        stream = Stream(engine, loop, args, bvg.DIMS["vocab"])
+        stream.wait_tokens(2, args.timeout_s, "every client streaming")
+        updates, version, windows = [], 0, []
+        for mode in args.pause_modes:
+            for _ in range(args.updates):
+                stream.wait_tokens(args.settle_tokens, args.timeout_s, "generation before update")
+                version += 1
+                u0 = time.perf_counter()
+                sync.update(tensors, version, pause_mode=mode)
+                u1 = time.perf_counter()
+                windows.append((u0, u1))
+                stream.wait_tokens(args.settle_tokens, args.timeout_s,
+                                   f"generation after update {version}")
+                u = analyse({"mode": mode, "version": version, "update_s": u1 - u0},
+                            tl.between(u0, u1), stream.tokens, args.clients)
+                updates.append(u)
+                print(f"{mode} v{version}: stall {u.get('stall_s', float('nan')) * 1e3:.1f} ms, "
+                      f"push {u['push_s'] * 1e3:.1f} ms, update {u['update_s'] * 1e3:.1f} ms",
+                      flush=True)
+        handle.call("bench_zero", timeout=args.timeout_s)  # then one more update must fill all
+        sync.update(tensors, version + 1, pause_mode=args.pause_modes[0])
+        [got] = handle.call("bench_checksums", timeout=args.timeout_s)
+        bad = sorted(n for n in expected if got.get(n) != expected[n])
+        stream.wait_tokens(1, args.timeout_s, "generation after the check")
+        stream.check()
+        rep = {
+            "command": " ".join(["python3", "benchmarks/bench_pause.py"] + [  # no directories
+                os.path.basename(a) if os.path.isabs(a) else a for a in sys.argv[1:]]),
+            "env": bvg.env_info(), "engine_startup_s": startup,
+            "model": {"bytes": nbytes, "tensors": len(tensors), "layers": args.layers},
+            "clients": args.clients, "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens, "bucket_bytes": sync.cfg.bucket_bytes,
+            "compiled": not (args.eager or args.cpu_smoke), "updates_per_mode": args.updates,
+            "step_interval_s": step_interval(stream.tokens, windows), "updates": updates,
+            "summary": summarise(updates),
+            "requests": {"finished": dict(stream.finished), "short": stream.short[:20],
+                         "tokens": len(stream.tokens)},
+            "exact": not bad and set(got) == set(expected), "mismatched": bad[:10],
+        }
+        rep["table"] = table(rep)
+        return rep
+    finally:
+        if stream is not None:
+            stream.close()
+        if sync is not None:
+            sync.close()
+        engine.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, help="Qwen2-7B layers (default 14: 8.7 GB)")
+    ap.add_argument("--updates", type=int, default=5, help="timed updates per pause mode")
+    ap.add_argument("--pause-modes", default="keep", help="comma list of keep, wait, abort")
+    ap.add_argument("--clients", type=int, help="streaming requests kept in flight (16)")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens (128)")
+    ap.add_argument("--max-tokens", type=int, help="tokens per request (256)")
+    ap.add_argument("--settle-tokens", type=int,
+                    help="tokens every client streams before and after each update (8)")
+    ap.add_argument("--bucket-mib", type=float, help="bucket size (default: the library's)")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
+    ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization")
+    ap.add_argument("--engine-gpu", default="1")
+    ap.add_argument("--trainer-gpu", default="0")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait")
+    ap.add_argument("--start-s", type=float, default=600.0, help="bound on the engine's start")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--md", default="")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="script check on a CPU vLLM: tiny dims, gloo, few short requests")
+    args = ap.parse_args()
+    for k, v in (SMOKE_ARGS if args.cpu_smoke else GPU_ARGS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.pause_modes = [m for m in args.pause_modes.split(",") if m]
+    if not args.pause_modes or set(args.pause_modes) - {"keep", "wait", "abort"}:
+        ap.error("--pause-modes takes keep, wait, abort")
+    if args.cpu_smoke:
+        for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
+            os.environ.setdefault(k, v)
+    else:
+        if args.engine_gpu == args.trainer_gpu:
+            ap.error("the engine and the trainer need GPUs of their own")
+        # The engine core (a child process) uses the first visible GPU, the trainer cuda:1.
+        os.environ["CUDA_VISIBLE_DEVICES"] = f"{args.engine_gpu},{args.trainer_gpu}"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
+    try:
+        rep = run(args)
+    except BaseException:  # noqa: BLE001 - report, then leave without vLLM/NCCL teardown hooks
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    print(rep["table"], flush=True)
+    for path, text in ((args.json, json.dumps(rep, indent=1)), (args.md, rep["table"] + "\n")):
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
+    lost = [s for s in rep["requests"]["short"]  # only `abort` may cut a request short
+            if s[0] != "abort" or "abort" not in args.pause_modes]
+    failed = [u for u in rep["updates"] if "error" in u]
+    if not rep["exact"]:
+        print(f"not bit-exact: {rep['mismatched']}", flush=True)
+    if lost or failed:
+        print(f"FAILED: requests cut short {lost[:5]}, updates {failed[:2]}", flush=True)
+    sys.stdout.flush()
+    os._exit(0 if rep["exact"] and not lost and not failed else 1)  # skip vLLM/NCCL atexit hooks
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""Support matrix on vLLM's CPU build: every model family it runs, updated in place twice.
+
+Per family (tiny config of its own layout, fp32, every layer drawn to matter: `random_weights`):
+engine A starts from W1 and is pushed W2, then W1 again (three batches from one reused buffer, as a
+receiver loads); engine B then starts fresh from W2. After each push A's greedy output equals a
+fresh engine's with the same weights (B for W2, A's own start for W1) token for token, and
+transformers' (both fp32); no parameter moved; tensors vLLM derives after loading (MLA's
+`W_UK_T`/`W_UV`) equal the fresh engine's; the plan check accepts the checkpoint's names and any
+spelling the model's loader maps to them, and refuses a name it would drop or does not have.
+
+One engine at a time; two engine starts per family. Families vLLM's CPU build cannot run
+(`NOT_ON_CPU`, with the reason) are in `tests/test_gpu_families.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from vllm_nccl_sync.handshake import read_safetensors_index
+from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, save_model
+
+MAX_TOKENS = 8
+
+CPU_FAMILIES = {
+    "qwen3": {},
+    "qwen3_moe": {},
+    "gemma2": {},
+    "phi3": {},
+}
+"""Family -> extra engine arguments."""
+
+NOT_ON_CPU = {
+    "deepseek_v2": "on vLLM CPU 0.32 its greedy output depends on the batch (a prompt alone "
+                   "decodes otherwise than in a batch) and differs from transformers on a fresh "
+                   "engine; its MLA refresh is shown here by "
+                   "test_mla_derived_tensors_follow_every_update",
+    "qwen2_vl": "vLLM CPU 0.32 imports torchvision for Qwen2-VL, which the CPU build lacks",
+    "block_fp8": "vLLM's CPU build has no block-FP8 linear kernels",
+}
+"""Families of the matrix this module does not run, and why (each runs on GPU)."""
+
+RULE = {
+    "qwen3_moe": ("transformed", "experts re-laid out by the CPU MoE backend"),
+}
+"""What the per-layer rule must find (kind, part of the description), where it finds anything."""
+
+
+def _start(path: str, extra: dict):
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=path, **engine_kwargs(worker_extension_cls="tests.family_ext.FamilyExt",
+                                         **extra))
+    print(f"engine start {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return llm
+
+
+def _stop(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _greedy(llm) -> list[list[int]]:
+    from vllm_nccl_sync.testing import vllm_greedy
+
+    return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
+
+
+def _push(llm, path: str) -> dict:
+    [res] = llm.collective_rpc("nccl_test_load_dir", args=(path,), kwargs={"n_batches": 3})
+    llm.reset_prefix_cache()  # cached KV came from the old weights
+    print(f"push {path}: {res}", file=sys.stderr)
+    return res
+
+
+def _rpc(llm, method: str, *args):
+    [res] = llm.collective_rpc(method, args=args)
+    return res
+
+
+def _plan_checks(llm, path: str, family: str) -> None:
+    specs = [[n, d, s] for n, (d, s) in read_safetensors_index(path).items()]
+    assert _rpc(llm, "nccl_test_plan_problems", specs) == []
+    bogus = [["model.layers.0.self_attn.nope.weight", "float32", [4]]]
+    [why] = _rpc(llm, "nccl_test_plan_problems", bogus)
+    assert "unknown tensor" in why
+    if family == "qwen2_vl":  # the older spelling of the language tower maps to the same weight
+        name = "model.language_model.layers.0.mlp.down_proj.weight"
+        d, s = read_safetensors_index(path)[name]
+        old = name.replace("model.language_model.", "model.")
+        assert _rpc(llm, "nccl_test_plan_problems", [[old, d, s]]) == []
+
+
+def _state(llm) -> dict[str, str]:
+    """sha256 of every parameter as the engine holds it (packed linears read back)."""
+    return _rpc(llm, "nccl_test_state")
+
+
+def _diff(a: dict, b: dict) -> str:
+    return "differs from a fresh engine: " + ", ".join(
+        sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))[:6])
+
+
+def _verify_covers(checks: dict, paths: dict, family: str) -> None:
+    """`verify` against the pushed checkpoint: every tensor either matches or is one the CPU
+    backend packed (linears) or re-laid out (experts), said so; against the other: mismatches."""
+    from vllm_nccl_sync.verify import compare
+
+    report = compare(paths[2], [checks])
+    nc = [e for e in report.entries if e.status == "not_comparable"]
+    print(f"{family} verify: {report.summary()}", file=sys.stderr)
+    assert report.ok and report.count("mismatch") == 0, report.summary()
+    assert all("packed by vLLM's CPU backend" in e.detail or "re-laid out" in e.detail
+               for e in nc), [(e.name, e.detail) for e in nc][:4]
+    assert all(".experts." in e.name for e in nc if "re-laid out" in e.detail)
+    stale = compare(paths[1], [checks])
+    assert stale.count("mismatch") == report.count("match"), stale.summary()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", sorted(CPU_FAMILIES))
+def test_family_updates_in_place(family, tmp_path):
+    pytest.importorskip("vllm")
+    extra = CPU_FAMILIES[family]
+    paths = {s: save_model(build_model(family, s), str(tmp_path / f"w{s}")) for s in (1, 2)}
+    hf = {s: hf_greedy(build_model(family, s), PROMPTS, MAX_TOKENS) for s in (1, 2)}
+    assert hf[1] != hf[2]
+
+    llm = _start(paths[1], extra)
+    try:
+        fresh1, derived1 = _greedy(llm), _rpc(llm, "nccl_test_derived")
+        state1 = _state(llm)
+        ptrs = _rpc(llm, "nccl_test_ptrs")
+        rule = _rpc(llm, "nccl_test_rule")
+        _plan_checks(llm, paths[2], family)
+        res2 = _push(llm, paths[2])
+        out2, derived2, state2 = _greedy(llm), _rpc(llm, "nccl_test_derived"), _state(llm)
+        checks2 = _rpc(llm, "nccl_test_checksums")
+        res1 = _push(llm, paths[1])
+        out1, derived1b, state1b = _greedy(llm), _rpc(llm, "nccl_test_derived"), _state(llm)
+        if family == "qwen3_moe":  # one expert of a layer alone: refused, the layer keeps W1
+            why = _rpc(llm, "nccl_test_try_load_dir", paths[2], ["layers.0.mlp.experts.0."])
+            assert "only part of their weights" in why and "all experts" in why, why
+            llm.reset_prefix_cache()
+            assert _state(llm) == state1b and _greedy(llm) == out1
+        ptrs_after = _rpc(llm, "nccl_test_ptrs")
+    finally:
+        _stop(llm)
+    llm = _start(paths[2], extra)
+    try:
+        fresh2, derived_fresh2 = _greedy(llm), _rpc(llm, "nccl_test_derived")
+        fresh_state2 = _state(llm)
+    finally:
+        _stop(llm)
+
+    # Everything the engine holds readably (experts as laid out, derived tensors, norms,
+    # embeddings) equals a fresh engine's with the same weights.
+    assert state2 == fresh_state2, _diff(state2, fresh_state2)
+    assert state1b == state1, _diff(state1b, state1)
+    assert fresh1 == hf[1] and fresh2 == hf[2], "a fresh engine differs from transformers"
+    assert out2 == fresh2, "after push 1 (W2): differs from a fresh engine on W2"
+    assert out1 == fresh1, "after push 2 (W1): differs from a fresh engine on W1"
+    _verify_covers(checks2, paths, family)
+    assert ptrs_after == ptrs and len(ptrs) > 5, "a parameter moved"
+    for res in (res1, res2):
+        assert res["loaded"] > 0 and res["stats"].get("untouched", 0) == 0, res
+    assert derived2 == derived_fresh2 and derived1b == derived1, "a derived tensor is stale"
+    if family in RULE:
+        kind, what = RULE[family]
+        found = rule[kind] if kind == "derived" else list(rule[kind].values())
+        assert any(what in x for x in found), rule
+        if kind == "derived":
+            assert derived1 and derived2 != derived1
+            assert res2["stats"]["derived_refreshed"] == len(rule["derived"]) > 0
+        else:
+            assert res2["stats"]["layerwise_layers"] == len(rule["transformed"]) > 0
+    else:
+        assert rule == {"transformed": {}, "derived": []}
+
+
+@pytest.mark.vllm
+def test_mla_derived_tensors_follow_every_update(tmp_path):
+    """MLA (tiny DeepSeek-V2): after each push `W_UK_T`/`W_UV` equal the split of what
+    `kv_b_proj` holds, in place. On vLLM CPU they start as views of `kv_b_proj`'s weight, so they
+    are first given their own copies, as backends that dequantize or re-lay out `kv_b_proj` hold
+    them; with the refresh skipped (negative control) they then go stale, and the check sees it.
+
+    Compares the engine with itself, so it holds whatever vLLM CPU's own DeepSeek loading does
+    (see `NOT_ON_CPU`)."""
+    pytest.importorskip("vllm")
+    paths = {s: save_model(build_model("deepseek_v2", s), str(tmp_path / f"w{s}")) for s in (1, 2)}
+    llm = _start(paths[1], {})
+    try:
+        rule = _rpc(llm, "nccl_test_rule")
+        consistent = dict.fromkeys(rule["derived"], True)
+        assert len(consistent) == 2, rule  # one MLA attention per layer
+        assert _rpc(llm, "nccl_test_mla_consistent") == consistent
+        views = _rpc(llm, "nccl_test_detach_derived")
+        print(f"derived tensors were views of kv_b_proj: {views}", file=sys.stderr)
+        assert _rpc(llm, "nccl_test_mla_consistent") == consistent
+        ptrs, before = _rpc(llm, "nccl_test_ptrs"), _rpc(llm, "nccl_test_derived")
+        res = _push(llm, paths[2])
+        assert res["stats"]["derived_refreshed"] == 2, res
+        assert _rpc(llm, "nccl_test_mla_consistent") == consistent
+        assert _rpc(llm, "nccl_test_derived") != before
+        assert _rpc(llm, "nccl_test_ptrs") == ptrs
+        _rpc(llm, "nccl_test_skip_derived", True)
+        try:
+            _push(llm, paths[1])
+            assert not any(_rpc(llm, "nccl_test_mla_consistent").values()), "stale not seen"
+        finally:
+            _rpc(llm, "nccl_test_skip_derived", False)
+        _push(llm, paths[1])
+        assert _rpc(llm, "nccl_test_mla_consistent") == consistent
+        assert _rpc(llm, "nccl_test_derived") == before
+        assert _rpc(llm, "nccl_test_ptrs") == ptrs
+    finally:
+        _stop(llm)
+
+
+# --------------------------------------------------------------------------- names, no engine
+
+
+def _vlm_mapping(name: str) -> str | None:
+    """Qwen2-VL's `hf_to_vllm_mapper` prefixes, as vLLM applies them (first match wins)."""
+    for old, new in (("model.language_model.", "language_model.model."),
+                     ("model.visual.", "visual."), ("lm_head.", "language_model.lm_head."),
+                     ("model.", "language_model.model.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None if name.startswith("junk.") else name
+
+
+def test_plan_check_goes_through_the_models_name_mapping():
+    """Every spelling the loader maps to a checkpoint tensor passes; a name it drops, or maps to
+    nothing the checkpoint has, is refused with the reason; shapes still count."""
+    from vllm_nccl_sync.handshake import Reference
+    from vllm_nccl_sync.protocol import TensorSpec
+
+    ref = Reference({"model.layers.0.mlp.down_proj.weight": ("float32", [8, 4]),
+                     "model.embed_tokens.weight": ("float32", [16, 8])},
+                    {"lm_head.weight": "model.embed_tokens.weight"}, set(), _vlm_mapping)
+
+    def problems(name: str, shape=(8, 4)) -> list[str]:
+        return ref.problems([TensorSpec(name=name, dtype="float32", shape=list(shape))])
+
+    assert problems("model.layers.0.mlp.down_proj.weight") == []
+    assert problems("model.language_model.layers.0.mlp.down_proj.weight") == []
+    assert problems("lm_head.weight", (16, 8)) == []
+    assert "shape" in problems("model.language_model.layers.0.mlp.down_proj.weight", (4, 8))[0]
+    assert "drops this name" in problems("junk.layers.0.weight")[0]
+    assert "no such weight" in problems("model.language_model.layers.9.mlp.down_proj.weight")[0]
+
+
+def test_hub_cache_model_id_is_read_like_a_directory(tmp_path, monkeypatch):
+    """A model id whose snapshot is in the local hub cache gives the same reference as the
+    directory; an id not in the cache gives none (and never downloads)."""
+    from vllm_nccl_sync.handshake import checkpoint_reference
+
+    src = save_model(build_model("qwen3", 1), str(tmp_path / "src"))
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-qwen3" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (snap / f).symlink_to(os.path.join(src, f))
+    (cache / "models--acme--tiny-qwen3" / "refs").mkdir()
+    (cache / "models--acme--tiny-qwen3" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    by_id = checkpoint_reference("acme/tiny-qwen3", False, "float32")
+    by_dir = checkpoint_reference(src, False, "float32")
+    assert by_id is not None and by_id.tensors == by_dir.tensors and len(by_id.tensors) > 10
+    assert checkpoint_reference("acme/not-cached", False, "float32") is None
+
+
+def test_fp8_checkpoints_take_what_the_engine_can_load():
+    """Block-FP8 (weights + `weight_scale_inv`): FP8 + scales pass, and so does bf16 (the engine
+    quantizes it as the checkpoint was made, scale included, so a full update needs no scales).
+    An FP8 weight with a per-tensor scale refuses bf16, saying what to send instead."""
+    import torch
+
+    from vllm_nccl_sync.handshake import Reference
+    from vllm_nccl_sync.patches.vllm_block_fp8 import expand, quantize
+    from vllm_nccl_sync.protocol import TensorSpec
+
+    w = "model.layers.0.mlp.down_proj.weight"
+    ref = Reference({w: ("float8_e4m3fn", [128, 256]), w + "_scale_inv": ("float32", [1, 2]),
+                     "model.norm.weight": ("bfloat16", [128])}, {}, {"bfloat16"})
+    fp8 = [TensorSpec(name=w, dtype="float8_e4m3fn", shape=[128, 256]),
+           TensorSpec(name=w + "_scale_inv", dtype="float32", shape=[1, 2])]
+    bf16 = [TensorSpec(name=w, dtype="bfloat16", shape=[128, 256]),
+            TensorSpec(name="model.norm.weight", dtype="bfloat16", shape=[128])]
+    assert ref.problems(fp8) == [] and ref.problems(bf16, full=True) == []
+
+    t = torch.randn(128, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    [(n1, q), (n2, scale)] = expand([(w, t)], {w: (128, 128)})
+    assert (n1, n2, q.dtype, list(scale.shape)) == (w, w + "_scale_inv", torch.float8_e4m3fn,
+                                                   [1, 2])
+    assert torch.equal(q, quantize(t, (128, 128))[0])
+    back = (q.float().reshape(1, 128, 2, 128) * scale[:, None, :, None]).reshape(128, 256)
+    assert (back - t.float()).abs().max() <= 0.07 * t.float().abs().max()
+
+    per_tensor = Reference({w: ("float8_e4m3fn", [128, 256]), w + "_scale": ("float32", [])},
+                           {}, {"bfloat16"})
+    [why] = per_tensor.problems(bf16[:1])
+    assert "scale" in why and "quantization='fp8'" in why
+
+def test_verify_rebuilds_stacked_sharded_padded_and_expert_parameters():
+    """`compare` rebuilds each engine parameter from the checkpoint the way vLLM's loaders lay it
+    out (stacked q|k|v under TP, a vocabulary padded then sharded, fused experts), so a TP-2
+    engine is compared in full; one changed element is a mismatch on the rank that holds it."""
+    import torch
+
+    from vllm_nccl_sync.verify import compare, digest
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 4, generator=g) for _ in range(3))
+    emb = torch.randn(10, 4, generator=g)
+    gate, up = ([torch.randn(6, 4, generator=g) for _ in range(2)] for _ in range(2))
+    src = {"m.q_proj.weight": q, "m.k_proj.weight": k, "m.v_proj.weight": v, "m.embed.weight": emb,
+           **{f"m.experts.{e}.gate_proj.weight": gate[e] for e in range(2)},
+           **{f"m.experts.{e}.up_proj.weight": up[e] for e in range(2)}}
+
+    def entry(t: torch.Tensor, **layout) -> dict:
+        return {"dtype": "float32", "shape": list(t.shape), "numel": t.numel(),
+                "sha256": digest(t), "note": "", **layout}
+
+    def worker(rank: int, tp: int, qkv_edit: float = 0.0) -> dict:
+        qkv = torch.cat([t.chunk(tp)[rank] for t in (q, k, v)])
+        qkv[0, 0] += qkv_edit
+        w13 = torch.stack([torch.cat([gate[e], up[e]]) for e in range(2)])
+        rows = [[f"m.experts.{e}.{p}.weight"] for e in range(2) for p in ("gate_proj", "up_proj")]
+        return {"tp_rank": rank, "tp_size": tp, "params": {
+            "m.qkv_proj.weight": entry(qkv, parts=[[["m.qkv_proj.weight"]], [
+                ["m.q_proj.weight"], ["m.k_proj.weight"], ["m.v_proj.weight"]]]),
+            "m.embed.weight": entry(torch.cat([emb, torch.zeros(6, 4)]).chunk(tp)[rank],
+                                    parts=[[["m.embed.weight"]]]),
+            "m.experts.w13_weight": entry(w13, experts=rows)}}
+
+    full = compare(src, [worker(0, 2), worker(1, 2)])
+    assert full.count("match") == 2 * len(src) and full.ok, full.summary()
+    assert not full.engine_only
+    bad = compare(src, [worker(0, 2), worker(1, 2, qkv_edit=1.0)])
+    assert {(e.name, e.worker) for e in bad.entries if e.status == "mismatch"} == {
+        (f"m.{p}_proj.weight", 1) for p in "qkv"}
+
+
+def test_model_with_its_own_post_load_hook_is_refused_with_the_reason():
+    """A model-level `process_weights_after_loading` cannot be re-run in place: the loader says
+    so when it is created (before any update), naming the model and what to do."""
+    import torch
+
+    from vllm_nccl_sync.patches.vllm_postload import unsupported
+
+    class Plain(torch.nn.Module):
+        pass
+
+    class Hooked(torch.nn.Module):
+        def process_weights_after_loading(self) -> None:
+            pass
+
+    assert unsupported(Plain()) is None
+    why = unsupported(Hooked())
+    assert "Hooked" in why and "Restart the engine" in why
+
+
+def test_matrix_leaves_no_family_out():
+    """Every family is run here or listed with the reason it is not; the GPU module runs all."""
+    from tests.test_gpu_families import GPU_FAMILIES
+    from vllm_nccl_sync.testing import FAMILIES
+
+    everything = {*FAMILIES, "block_fp8"}
+    assert set(CPU_FAMILIES) | set(NOT_ON_CPU) == everything
+    assert not set(CPU_FAMILIES) & set(NOT_ON_CPU)
+    assert set(GPU_FAMILIES) == everything

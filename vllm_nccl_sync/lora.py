@@ -1,0 +1,278 @@
+"""Engine side, data plane: LoRA adapters received as updates of their own, into vLLM's LoRA
+manager, from memory (nothing touches the disk).
+
+An update whose `Plan` names an `AdapterSpec` goes to an `AdapterLoader` instead of the base-weight
+loader. It collects the adapter's PEFT-named tensors (checked one by one against the engine's
+model as they arrive), and on `finish` either
+
+* replaces the adapter in place when its layout (rank and target modules) is unchanged: the new
+  tensors are copied into the adapter's CPU tensors and, when it is active, into its slot of every
+  LoRA layer (vLLM's preallocated `lora_a_stacked`/`lora_b_stacked`): nothing is allocated, CUDA
+  graphs stay valid; or
+* adds it, or re-registers it with a new layout, through vLLM's LoRA manager.
+
+Until the update commits, `abort` restores exactly what was there before (the old tensors, or the
+old registration), so a failed adapter update leaves the adapter as it was and base weights are
+never touched. Requests name a pushed adapter with `lora_request(name, id)`: its path
+`nccl-sync://<name>` tells vLLM to rebuild it from this worker's memory whenever vLLM's own caches
+need it again (`patches.vllm_lora.serve_from_memory`). Semantics: docs/lora.md.
+
+vLLM is imported lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .handshake import Reference
+from .protocol import AdapterSpec
+
+_PREFIX = "base_model.model."
+_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def lora_request(name: str, lora_id: int) -> Any:
+    """The `vllm.lora.request.LoRARequest` that names adapter `name`/`lora_id` pushed into the
+    engine (its path points at worker memory, not at a file)."""
+    from vllm.lora.request import LoRARequest
+
+    from .patches.vllm_lora import SCHEME
+
+    return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=SCHEME + name)
+
+
+def split_name(name: str) -> tuple[str, bool]:
+    """`(module, is_lora_a)` of a PEFT LoRA tensor name; ValueError for anything else."""
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            module = name[: -len(suffix)]
+            return (module[len(_PREFIX):] if module.startswith(_PREFIX) else module,
+                    suffix == _SUFFIXES[0])
+    raise ValueError(f"tensor {name!r} is not a LoRA weight (expected a name ending in "
+                     "'.lora_A.weight' or '.lora_B.weight')")
+
+
+@dataclass(slots=True)
+class HeldAdapter:
+    """An adapter this worker holds: what vLLM rebuilds it from."""
+
+    spec: AdapterSpec
+    tensors: dict[str, torch.Tensor]
+    """PEFT-named tensors on the host, as received."""
+    ids: set[int] = field(default_factory=set)
+    """Ids vLLM registered it under: the pushed one, and any `vllm serve` gave it."""
+    stats: dict[str, int] = field(default_factory=dict)
+    """How its last update went in: `in_place` (ids copied into) and `registered` (re-added)."""
+
+
+class AdapterStore:
+    """The adapters one vLLM worker received, by name; makes one `AdapterLoader` per update."""
+
+    def __init__(self, manager: Any, reference: Reference | None) -> None:
+        """`manager`: the worker's `WorkerLoRAManager` (see `for_worker`, `for_model`);
+        `reference`: the base model's HF tensors, to check adapter shapes against (None: the
+        shapes are only checked against the adapter's rank)."""
+        from .patches import vllm_lora
+
+        vllm_lora.check_version()
+        if manager is None:
+            raise RuntimeError("this engine runs without LoRA (start it with enable_lora=True)")
+        self.wm = manager
+        self.reference = reference
+        self.held: dict[str, HeldAdapter] = {}
+        vllm_lora.serve_from_memory(self.wm, self._rebuild)
+
+    @classmethod
+    def for_worker(cls, worker: Any, reference: Reference | None) -> AdapterStore:
+        """The store of a vLLM worker (the worker extension)."""
+        from .patches import vllm_lora
+
+        return cls(vllm_lora.worker_manager(worker), reference)
+
+    @classmethod
+    def for_model(cls, model: Any, reference: Reference | None) -> AdapterStore:
+        """The store of a weight-transfer engine, which vLLM hands the model only."""
+        from .patches import vllm_lora
+
+        return cls(vllm_lora.manager_of_model(model), reference)
+
+    def _rebuild(self, name: str, lora_id: int) -> Any:
+        """vLLM needs adapter `name` under `lora_id` (evicted earlier, or a new id)."""
+        from .patches import vllm_lora
+
+        held = self.held.get(name)
+        if held is None:
+            raise ValueError(f"no LoRA adapter {name!r} was pushed into this engine")
+        owner = self.owner(lora_id)
+        if owner not in (None, name):
+            raise ValueError(f"LoRA id {lora_id} already names adapter {owner!r}")
+        s = held.spec
+        model = vllm_lora.build(self.wm, lora_id, _clones(held.tensors),
+                                vllm_lora.peft_helper(self.wm, s.rank, s.alpha, s.target_modules))
+        held.ids.add(lora_id)
+        return model
+
+    def owner(self, lora_id: int) -> str | None:
+        """Name of the held adapter registered under `lora_id` (None: none of ours)."""
+        return next((n for n, h in self.held.items() if lora_id in h.ids), None)
+
+    def loader(self, spec: AdapterSpec) -> AdapterLoader:
+        """The `WeightLoader` of one update of adapter `spec` (the receiver's `adapters=`)."""
+        return AdapterLoader(self, spec)
+
+    def listing(self) -> dict[str, dict[str, Any]]:
+        """Every held adapter: its id, rank, alpha, targets, the ids vLLM registered it under."""
+        return {n: {"id": h.spec.id, "rank": h.spec.rank, "alpha": h.spec.alpha,
+                    "target_modules": list(h.spec.target_modules), "ids": sorted(h.ids),
+                    "tensors": len(h.tensors), "last_update": dict(h.stats)}
+                for n, h in self.held.items()}
+
+
+def _clones(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM scales `lora_B` in place while it merges an adapter: never hand it ours."""
+    return {n: t.clone() for n, t in tensors.items()}
+
+
+class AdapterLoader:
+    """`WeightLoader` of one adapter update: `begin`, `load`*, `finish` (applies), `abort` (undoes
+    whatever `finish` did, and drops what was received)."""
+
+    def __init__(self, store: AdapterStore, spec: AdapterSpec) -> None:
+        self.store = store
+        self.spec = spec
+        self.incoming: dict[str, torch.Tensor] = {}
+        self._helper: Any = None
+        self._undo: list[tuple] = []
+        self._prev: HeldAdapter | None = None
+        self._applied = False
+        self.stats: dict[str, int] = {}
+
+    def begin(self) -> None:
+        """Check the adapter's config against the engine's LoRA config (rank, features)."""
+        from .patches import vllm_lora
+
+        s = self.spec
+        if s.id < 1:
+            raise ValueError(f"adapter {s.name!r}: id {s.id} must be >= 1")
+        if not s.name or s.name.startswith("/"):
+            raise ValueError(f"adapter name {s.name!r} must be non-empty and not a path")
+        self._helper = vllm_lora.peft_helper(self.store.wm, s.rank, s.alpha, s.target_modules)
+        self.incoming = {}
+
+    def _check(self, name: str, t: torch.Tensor) -> None:
+        from .patches import vllm_lora
+
+        module, is_a = split_name(name)
+        leaf = module.rsplit(".", 1)[-1]
+        s = self.spec
+        if s.target_modules and leaf not in s.target_modules:
+            raise ValueError(f"tensor {name!r}: module {leaf!r} is not among the adapter's "
+                             f"target_modules {list(s.target_modules)}")
+        allowed = vllm_lora.expected_modules(self.store.wm)
+        if leaf not in allowed:
+            raise ValueError(f"tensor {name!r}: this engine attaches no LoRA to {leaf!r} "
+                             f"(it takes {sorted(allowed)})")
+        if t.ndim != 2 or t.shape[0 if is_a else 1] != s.rank:
+            raise ValueError(f"tensor {name!r}: shape {list(t.shape)} does not have the "
+                             f"adapter's rank {s.rank} as its {'first' if is_a else 'second'} "
+                             "dimension")
+        if self.store.reference is not None:
+            reference = self.store.reference
+            found = reference.resolve(module + ".weight")
+            if found is None:
+                raise ValueError(f"tensor {name!r}: the engine's model has no {module!r}")
+            out_f, in_f = reference.tensors[found][1]
+            want = [s.rank, in_f] if is_a else [out_f, s.rank]
+            if list(t.shape) != want:
+                raise ValueError(f"tensor {name!r}: shape {list(t.shape)} != {want} "
+                                 f"for {module!r} at rank {s.rank}")
+        if not t.is_floating_point():
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
+
+    @torch.no_grad()
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """Check and keep host copies of the tensors; nothing reaches the engine yet."""
+        for name, t in named_tensors:
+            self._check(name, t)
+            if name in self.incoming:
+                raise ValueError(f"tensor {name!r} sent twice")
+            self.incoming[name] = t.to("cpu", copy=True)
+        return set(n for n, _ in named_tensors)
+
+    def finish(self) -> None:
+        """Build the adapter (every check that can fail runs here first), then swap it in."""
+        from .patches import vllm_lora
+
+        wm, s = self.store.wm, self.spec
+        modules: dict[str, set[bool]] = {}
+        for name in self.incoming:
+            module, is_a = split_name(name)
+            modules.setdefault(module, set()).add(is_a)
+        half = sorted(m for m, kinds in modules.items() if len(kinds) != 2)
+        if half:
+            raise ValueError(f"adapter {s.name!r}: modules without both lora_A and lora_B: "
+                             f"{half[:5]}")
+        owner = self.store.owner(s.id)
+        if owner not in (None, s.name):
+            raise ValueError(f"adapter {s.name!r}: id {s.id} already names adapter {owner!r}")
+        if owner is None and vllm_lora.registered(wm, s.id) is not None:
+            raise ValueError(f"adapter {s.name!r}: id {s.id} is taken by an adapter this engine "
+                             "loaded from elsewhere")
+        new = vllm_lora.build(wm, s.id, _clones(self.incoming), self._helper)
+        prev = self.store.held.get(s.name)
+        ids = (set(prev.ids) if prev is not None else set()) | {s.id}
+        # The pushed id is added if missing; other ids (e.g. `vllm serve`'s) are changed where
+        # registered, and otherwise rebuilt from the new tensors when vLLM next needs them.
+        targets = {s.id: new}
+        for lora_id in sorted(ids - {s.id}):
+            if vllm_lora.registered(wm, lora_id) is not None:
+                targets[lora_id] = vllm_lora.build(wm, lora_id, _clones(self.incoming),
+                                                   self._helper)
+        # Nothing has changed so far; from here on every step is recorded for `abort`.
+        self._prev, self._applied = prev, True
+        self.store.held[s.name] = HeldAdapter(s, self.incoming, set(ids))
+        in_place = swapped = 0
+        for lora_id, model in targets.items():
+            old = vllm_lora.registered(wm, lora_id)
+            if old is not None and vllm_lora.same_layout(old, model):
+                self._undo.append(("copy", lora_id, old, vllm_lora.clone_weights(old)))
+                vllm_lora.copy_weights(old, model)
+                slot = vllm_lora.slot_of(wm, lora_id)
+                if slot is not None:
+                    vllm_lora.write_slot(wm, slot, old)
+                in_place += 1
+            else:
+                slot = None if old is None else vllm_lora.slot_of(wm, lora_id)
+                self._undo.append(("swap", lora_id, old, slot))
+                vllm_lora.reregister(wm, None if old is None else lora_id, model)
+                swapped += 1
+        self.stats = {"in_place": in_place, "registered": swapped,
+                      "tensors": len(self.incoming)}
+        self.store.held[s.name].stats = self.stats
+
+    def abort(self) -> None:
+        """Undo `finish` (old tensors, slots and registrations back); drop what was received."""
+        from .patches import vllm_lora
+
+        wm = self.store.wm
+        for entry in reversed(self._undo):
+            if entry[0] == "copy":
+                _, lora_id, live, backup = entry
+                vllm_lora.copy_weights(live, backup)
+                slot = vllm_lora.slot_of(wm, lora_id)
+                if slot is not None:
+                    vllm_lora.write_slot(wm, slot, live)
+            else:
+                _, lora_id, old, slot = entry
+                vllm_lora.restore(wm, lora_id, old, slot)
+        self._undo = []
+        if self._applied:
+            if self._prev is None:
+                self.store.held.pop(self.spec.name, None)
+            else:
+                self.store.held[self.spec.name] = self._prev
+            self._applied = False
+        self.incoming = {}
