@@ -1,6 +1,7 @@
 """LoRA adapter updates of a running vLLM engine: this project's push vs vLLM's own file loading.
 
     python benchmarks/bench_lora_gpu.py --ranks 16,64 --reps 5 --json lora.json   # 2 GPUs
+    python benchmarks/bench_lora_gpu.py --trainer-gpu cpu --engine-gpu 0 ...         # 1 GPU, gloo
     python benchmarks/bench_lora_gpu.py --cpu-smoke                               # script check
 
 The engine is a vLLM `LLM` in this process (`CUDA_VISIBLE_DEVICES=--engine-gpu`, in-process engine
@@ -8,7 +9,8 @@ core, `load_format="dummy"`, `enable_lora=True`, `max_lora_rank` = the largest r
 parameter Qwen2-shaped bf16 model (hidden 2048, 16 layers, MLP 8192, 32/8 heads, vocab 128256,
 tied embeddings). The trainer is a separate process (`--trainer-gpu`) that draws LoRA tensors on
 its device under PEFT's names, for every linear layer (q, k, v, o, gate, up, down), per rank in
-`--ranks`. For each rank and repetition both methods get the same tensors:
+`--ranks`; with `--trainer-gpu cpu` (one GPU) the trainer draws them on the host and the update
+travels over gloo instead of NCCL. For each rank and repetition both methods get the same tensors:
 
   ours       `PushClient.push(..., adapter=AdapterSpec(...))` -> `Ext.nccl_sync_receive`: NCCL
              broadcast into the engine, added under an id (repetition 0), then replaced in place
@@ -113,8 +115,10 @@ def save_config(path: str, d: dict) -> str:
 
 
 def trainer(conn, gpu: str, smoke: bool) -> None:
-    """Serve the driver's commands: `connect`, `push`, `write`, `full`, `stop`."""
-    if not smoke:
+    """Serve the driver's commands: `connect`, `push`, `write`, `full`, `stop` (`gpu` "cpu":
+    the trainer's tensors live on the host)."""
+    on_cpu = smoke or gpu == "cpu"
+    if not on_cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     import safetensors.torch
     import torch
@@ -123,8 +127,8 @@ def trainer(conn, gpu: str, smoke: bool) -> None:
     from vllm_nccl_sync.protocol import AdapterSpec
 
     d = SMOKE_DIMS if smoke else DIMS
-    device = "cpu" if smoke else "cuda:0"
-    if not smoke:
+    device = "cpu" if on_cpu else "cuda:0"
+    if not on_cpu:
         torch.cuda.set_device(0)
     client = None
     while True:
@@ -243,7 +247,8 @@ def driver(args) -> dict:
                   max_cpu_loras=slots, worker_extension_cls="vllm_nccl_sync.Ext", **kw)
         startup = time.perf_counter() - t0
         cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2,
-                   backend="gloo" if args.cpu_smoke else "nccl", timeout_s=300.0,
+                   backend="gloo" if args.cpu_smoke or args.trainer_gpu == "cpu" else "nccl",
+                   timeout_s=300.0,
                    bucket_bytes=int(args.bucket_mib * MiB))
         conn.send({"op": "connect", "cfg": cfg})
         llm.collective_rpc("nccl_sync_join", timeout=600, args=(cfg, 1))
@@ -302,7 +307,7 @@ def driver(args) -> dict:
         conn.send({"op": "stop"})
         import vllm
 
-        return {"rows": rows, "checks": checks, "startup_s": startup,
+        return {"rows": rows, "checks": checks, "startup_s": startup, "backend": cfg["backend"],
                 "full_model_bytes": full_model_bytes(d), "vllm": vllm.__version__,
                 "dims": d, "reps": args.reps, "smoke": args.cpu_smoke}
     finally:
@@ -336,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5, help="per rank: 1 add, then replacements")
     p.add_argument("--bucket-mib", type=float, default=256.0)
     p.add_argument("--engine-gpu", default="1")
-    p.add_argument("--trainer-gpu", default="0")
+    p.add_argument("--trainer-gpu", default="0",
+                   help="the trainer's GPU, or 'cpu': tensors on the host, pushed over gloo")
     p.add_argument("--gpu-mem", type=float, default=0.5)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model, gloo, vLLM CPU build: checks the script, not a measurement")

@@ -214,7 +214,8 @@ def test_push_into_compiled_engine(tmp_path, arch):
         {"pushes": [{"arch": arch, "seed": s, "version": s} for s in (2, 3)], "hf": True},
     )
     _check_graphs(engine["probe"])
-    assert engine["join"] == {"rank": 1, "replica": 0, "tp_rank": 0, "tp_size": 1}
+    assert engine["join"] == {"rank": 1, "replica": 0, "tp_rank": 0, "tp_size": 1,
+                              "host": "127.0.0.1"}
     outs = [u["out"] for u in engine["updates"]]
     for version, u, push in zip((2, 3), engine["updates"], trainer["pushes"], strict=True):
         assert push["ok"] and u["summary"]["ok"], (push, u["summary"])

@@ -148,6 +148,7 @@ def test_update_through_extension(engine):
     assert [j["tp_rank"] for j in joined] == [0, 1] and {j["tp_size"] for j in joined} == {TP}
     # ...and addresses too: each joined from its node's routed address, not from loopback.
     assert all(w["local_address"] == node_ip for w in where), where
+    assert [j["host"] for j in joined] == [node_ip] * TP, joined  # each worker says where it is
     assert pushed["pid"] not in {w["pid"] for w in where} | {os.getpid()}
     assert all(s["ok"] and s["version"] == 2 and s["consistent"] for s in summaries), summaries
     assert pushed["acks"] == TP and all(s["bytes"] == pushed["bytes"] for s in state)

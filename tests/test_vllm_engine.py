@@ -67,12 +67,15 @@ def test_push_from_trainer_process_takes_effect_in_place(engine):
     proc.start()
     try:
         joined = llm.collective_rpc("nccl_sync_join", timeout=90, args=(cfg, 1))
-        assert joined == [{"rank": 1, "replica": 0, "tp_rank": 0, "tp_size": 1}]
+        assert joined == [{"rank": 1, "replica": 0, "tp_rank": 0, "tp_size": 1,
+                           "host": "127.0.0.1"}]
         outputs = []
         for version in (2, 3):
             [summary] = llm.collective_rpc("nccl_sync_receive", timeout=120, args=(60.0,))
             assert summary["ok"], summary
             assert summary["version"] == version and summary["consistent"]
+            # the embedding (and untied LM head) exceed half a bucket: loaded row by row
+            assert summary["load"]["loaded_by_rows"] == (1 if arch == "qwen2" else 2), summary
             llm.reset_prefix_cache()
             outputs.append(generate(llm))
         assert parent.poll(120), "trainer process did not report"

@@ -10,6 +10,10 @@ confirmation that everything is in place:
         preallocated tensors (`ModuleLoader`): the plan and its agreement, every bucket's
         checksum on both sides, the loads and the commit round included
 
+With `lora_rank`, the payload is a LoRA adapter of that rank on every matrix of the synthetic
+model, pushed as an adapter update (`Plan.adapter`) into the receiver's adapter loader; the report
+then also gives the full model's bytes, which a full push would move instead.
+
 Raw and push alternate, so drift hits both. After the last push, every received tensor is
 checked bit for bit (sha256) against the trainer's. `benchmarks/bench_nccl.py` is the full
 benchmark (several models, baselines, memory); this is the compact check for any machine.
@@ -52,6 +56,19 @@ def synthetic_tensors(total_bytes: int, seed: int, device: torch.device) -> dict
     return out
 
 
+def lora_tensors(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT-named `lora_A` (rank x in) and `lora_B` (out x rank) for every matrix of `base`."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in base.items():
+        if t.dim() != 2:
+            continue
+        stem = "base_model.model." + name.removesuffix(".weight")
+        for part, shape in (("lora_A", (rank, t.shape[1])), ("lora_B", (t.shape[0], rank))):
+            out[f"{stem}.{part}.weight"] = torch.randn(shape, generator=g).to(t.dtype).to(t.device)
+    return out
+
+
 class _Params:
     """The two methods `ModuleLoader` reads, over a dict of preallocated tensors."""
 
@@ -69,6 +86,7 @@ def _role(role: int, args: dict) -> dict:
     from .config import SyncConfig
     from .loaders import ModuleLoader
     from .metrics import ProgressPrinter
+    from .protocol import AdapterSpec
     from .receiver import Receiver
     from .sender import PushClient
     from .verify import digest
@@ -87,12 +105,18 @@ def _role(role: int, args: dict) -> dict:
 
     cfg = SyncConfig(**args["cfg"])
     tensors = synthetic_tensors(args["size"], seed=1 + role, device=dev)
+    model_bytes = sum(t.nbytes for t in tensors.values())
+    rank = args["lora_rank"]
+    adapter = None
+    if rank:
+        tensors = lora_tensors(tensors, rank, seed=11 + role)
+        adapter = AdapterSpec("bench", 1, rank, 2.0 * rank, ["attn", "mlp"])
     if role == 0:
         client = PushClient(cfg, device=dev)
         client.connect()
         tr = client.transport
     else:
-        rx = Receiver(cfg, 1, device=dev)
+        rx = Receiver(cfg, 1, device=dev, adapters=lambda spec: ModuleLoader(_Params(tensors)))
         tr = rx.transport
     payload = sum(t.nbytes for t in tensors.values())
     big = torch.empty(payload, dtype=torch.uint8, device=dev)
@@ -122,7 +146,7 @@ def _role(role: int, args: dict) -> dict:
         if role == 0:
             show = args["progress"] and rep == args["reps"]
             printer = ProgressPrinter(payload, label="push") if show else None
-            res = client.push(tensors, version=rep + 1, progress=printer)
+            res = client.push(tensors, version=rep + 1, progress=printer, adapter=adapter)
             if printer:
                 printer.finish(res)
             results.append(res)
@@ -137,7 +161,7 @@ def _role(role: int, args: dict) -> dict:
     if role == 0:
         last = results[-1]
         out.update(raw=raw[1:], push=push[1:], payload=payload, tensors=len(tensors),
-                   buckets=last.buckets, wire=last.bytes)
+                   buckets=last.buckets, wire=last.bytes, model_bytes=model_bytes)
         client.close()
     else:
         rx.close()
@@ -183,8 +207,10 @@ def _run_pair(args: dict, deadline_s: float) -> list[dict]:
 
 
 def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "auto",
-        timeout_s: float = 120.0, deadline_s: float = 600.0, progress: bool = False) -> dict:
-    """Run the benchmark; returns medians, GB/s, their ratio and whether the bytes are exact."""
+        timeout_s: float = 120.0, deadline_s: float = 600.0, progress: bool = False,
+        lora_rank: int = 0) -> dict:
+    """Run the benchmark; returns medians, GB/s, their ratio and whether the bytes are exact.
+    `lora_rank` > 0: push a LoRA adapter of that rank of the synthetic model instead of it."""
     from .config import SyncConfig
     from .sync import free_port
 
@@ -197,14 +223,15 @@ def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "au
                      backend=backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     threads = max((os.cpu_count() or 2) // 2, 1)
     args = {"cfg": cfg.to_dict(), "backend": backend, "size": size_bytes, "reps": reps,
-            "progress": progress, "threads": threads}
+            "progress": progress, "threads": threads, "lora_rank": lora_rank}
     trainer, receiver = _run_pair(args, deadline_s)
     raw_s, push_s = statistics.median(trainer["raw"]), statistics.median(trainer["push"])
     n = trainer["payload"]
     where = "cuda:0 -> cuda:1" if backend == "nccl" else "cpu -> cpu (2 processes)"
     return {"backend": backend, "where": where, "payload_bytes": n, "tensors": trainer["tensors"],
             "bucket_bytes": bucket_bytes, "buckets": trainer["buckets"],
-            "wire_bytes": trainer["wire"], "reps": reps,
+            "wire_bytes": trainer["wire"], "reps": reps, "lora_rank": lora_rank,
+            "model_bytes": trainer["model_bytes"],
             "raw_s": raw_s, "push_s": push_s, "raw_gbps": n / raw_s / 1e9,
             "push_gbps": n / push_s / 1e9, "ratio": raw_s / push_s,
             "raw_times_s": trainer["raw"], "push_times_s": trainer["push"],
@@ -212,9 +239,12 @@ def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "au
 
 
 def format_report(r: dict) -> str:
+    what = (f"a rank-{r['lora_rank']} LoRA adapter ({r['payload_bytes'] / r['model_bytes']:.4f} x "
+            f"the model's {r['model_bytes'] / MiB:.1f} MiB)" if r.get("lora_rank") else "")
     return "\n".join([
         (f"bench: {r['backend']} {r['where']}; {r['payload_bytes'] / MiB:.1f} MiB in "
-         f"{r['tensors']} tensors; bucket {r['bucket_bytes'] / MiB:g} MiB; median of {r['reps']}"),
+         f"{r['tensors']} tensors{'; ' + what if what else ''}; bucket "
+         f"{r['bucket_bytes'] / MiB:g} MiB; median of {r['reps']}"),
         f"  raw broadcast   {r['raw_gbps']:8.2f} GB/s  {r['raw_s'] * 1e3:9.2f} ms",
         (f"  vllm-nccl-sync  {r['push_gbps']:8.2f} GB/s  {r['push_s'] * 1e3:9.2f} ms  "
          f"({r['buckets']} buckets, wire {r['wire_bytes'] / r['payload_bytes']:.3f} x payload)"),

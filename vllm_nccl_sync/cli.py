@@ -52,7 +52,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bucket = args.bucket_mib if args.bucket_mib is not None else (512 if gpus >= 2 else 16)
     report = bench.run(size_bytes=int(size * MiB), bucket_bytes=int(bucket * MiB) // 64 * 64,
                        reps=args.reps, backend=args.backend, timeout_s=args.timeout,
-                       deadline_s=args.deadline, progress=args.progress)
+                       deadline_s=args.deadline, progress=args.progress,
+                       lora_rank=args.lora_rank)
     print(bench.format_report(report))
     _write_json(args.json, report)
     return 0 if report["bit_exact"] else 1
@@ -140,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=600.0, help="the whole benchmark")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="show the last push's progress on stderr")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="push a LoRA adapter of this rank on every matrix instead of the model")
     p.add_argument("--json", default="", help="write the results here ('-': stdout)")
     p.set_defaults(func=cmd_bench)
 

@@ -39,10 +39,11 @@ class Ext:
 
         if self._nccl_sync is not None:
             self.nccl_sync_close()
+        loader = VllmWeightLoader(self)  # refuses, saying why, a model it cannot update in place
         receiver, where = join(SyncConfig.from_dict(cfg), rank_offset, self.vllm_config,
                                self.device, self._nccl_sync_state_obj(),
                                self._nccl_sync_adapters())
-        self._nccl_sync = (receiver, VllmWeightLoader(self))
+        self._nccl_sync = (receiver, loader)
         return where.to_dict()
 
     def _nccl_sync_adapters(self) -> Any:
@@ -67,7 +68,10 @@ class Ext:
         if self._nccl_sync is None:
             return {"ok": False, "error": "nccl_sync_join has not been called on this worker"}
         receiver, loader = self._nccl_sync
-        return receiver.receive(loader, timeout_s)
+        summary = receiver.receive(loader, timeout_s)
+        if summary.get("ok"):
+            summary["load"] = dict(loader.stats)  # what loading took (layers re-processed, ...)
+        return summary
 
     def nccl_sync_state(self) -> dict[str, Any]:
         """Weight version held, consistency, and counters of this worker."""

@@ -122,6 +122,8 @@ class VllmWeightLoader:
         self._unpacked: list[Any] | None = None
         self.loaded: set[str] = set()
         self.stats: dict[str, int] = {}
+        self._rows: dict[str, tuple[str, torch.Tensor, int, int] | None] = {}  # see _row_target
+        self._by_rows = 0  # tensors of this update loaded row by row
         self._postload()  # refuses a model that cannot be updated in place, saying why
         self._fp8_blocks = _fp8_blocks(self.vllm_config)
 
@@ -169,6 +171,7 @@ class VllmWeightLoader:
             self.abort()  # an earlier update never finished
         self.loaded = set()
         self.stats = {}
+        self._by_rows = 0
         cpu = self._repacker()
         self._unpacked = cpu.unpack_linears(self.model) if cpu else []
         lw = self._layerwise()
@@ -201,6 +204,60 @@ class VllmWeightLoader:
             held = self._lw.retain_pending(self.model)
             self._retained_peak = max(self._retained_peak, held)
         return done
+
+    def _row_target(self, name: str, shape: list[int]) -> tuple[str, torch.Tensor, int, int] | None:
+        """`(parameter name, parameter, first, end)` if HF tensor `name` of `shape` is loaded by
+        copying its rows `[first, end)` unchanged into the parameter's leading rows: what vLLM's
+        `VocabParallelEmbedding.weight_loader` does for an unquantized embedding or LM head
+        (whole, or this worker's vocabulary rows under TP). None for anything else."""
+        if name in self._rows:
+            return self._rows[name]
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        found = None
+        pname = self.aliases.get(name, name)
+        module_name, _, leaf = pname.rpartition(".")
+        try:
+            module = self.model.get_submodule(module_name)
+        except AttributeError:
+            module = None
+        lw = self._layerwise()
+        if (isinstance(module, VocabParallelEmbedding) and leaf == "weight"
+                and isinstance(module.quant_method, UnquantizedEmbeddingMethod)
+                and not (lw and (self._lw_layers is None or module in self._lw_layers))
+                and len(shape) == 2 and shape[0] == module.org_vocab_size):
+            param = module.weight
+            si = module.shard_indices
+            first, end = si.org_vocab_start_index, si.org_vocab_end_index
+            if (si.num_added_elements == 0 and list(param.shape[1:]) == shape[1:]
+                    and end - first <= param.shape[0]):
+                found = (pname, param, first, end)
+        self._rows[name] = found
+        return found
+
+    @torch.no_grad()
+    def load_rows(self, name: str, rows: torch.Tensor, first_row: int, shape: list[int]) -> bool:
+        """Copy whole rows of dim 0 of HF tensor `name` straight into its parameter, so a tensor
+        larger than a bucket (an embedding, an LM head) needs no staging copy on the engine.
+        False, before touching anything, where the parameter does not hold the checkpoint's rows
+        as they are (the receiver then reassembles the tensor and loads it through `load`)."""
+        if self._unpacked is None:
+            raise RuntimeError("VllmWeightLoader.load_rows() called before begin()")
+        target = self._row_target(name, shape)
+        if target is None:
+            return False
+        pname, param, first, end = target
+        lo, hi = max(first_row, first), min(first_row + rows.shape[0], end)
+        if lo < hi:  # this worker's rows in this chunk
+            param[lo - first : hi - first].copy_(rows[lo - first_row : hi - first_row],
+                                                 non_blocking=True)
+        if first_row + rows.shape[0] == shape[0]:
+            self.loaded.add(pname)
+            self._by_rows += 1
+        return True
 
     def finish(self) -> None:
         """Make the loaded weights take effect (CPU: re-pack; kernel-format layers: process;
@@ -236,6 +293,7 @@ class VllmWeightLoader:
         post = self._postload()
         counts["experts_relaid"] = post.refresh_experts(self.model, _outside(self.loaded, partial))
         counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded)
+        counts["loaded_by_rows"] = self._by_rows
         self.stats = counts
         if partial:
             raise ValueError(f"{len(partial)} layer(s) got only part of their weights and keep "

@@ -140,6 +140,8 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
 
         cfg = SyncConfig.from_dict(dict(init_info.sync_config))  # ValueError names the field
         self.shutdown()
+        if getattr(self, "model", None) is not None:  # refuse a model it cannot update, first
+            self._loader_for(self.model)
         try:
             self.receiver, self.where = join(cfg, int(init_info.rank_offset), self.vllm_config,
                                              self.device, self.state, self._adapter_loaders())

@@ -11,7 +11,7 @@ vLLM is imported lazily (nothing here runs outside a vLLM worker).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from .config import SyncConfig
 from .handshake import Reference
 from .receiver import Receiver, ReceiverState
+from .transport import local_address
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +32,13 @@ class WorkerRank:
     """Data-parallel index of this worker's engine."""
     tp_rank: int
     tp_size: int
+    host: str = ""
+    """The address this worker reaches the trainer from (its data plane binds it); "" until
+    it joined."""
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         return {"rank": self.rank, "replica": self.replica, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size}
+                "tp_size": self.tp_size, "host": self.host}
 
 
 def worker_rank(parallel_config: Any, rank_offset: int) -> WorkerRank:
@@ -97,7 +101,8 @@ def join(cfg: SyncConfig, rank_offset: int, vllm_config: Any, device: Any,
     `adapters` makes the loader of a LoRA adapter update (`lora.AdapterStore.loader`; None: the
     engine refuses adapter updates).
     """
-    where = worker_rank(vllm_config.parallel_config, rank_offset)
+    where = replace(worker_rank(vllm_config.parallel_config, rank_offset),
+                    host=local_address(cfg.host))
     dev = torch.device(device) if cfg.backend == "nccl" else None
     receiver = Receiver(
         cfg, where.rank, replica=where.replica, tp_rank=where.tp_rank, tp_size=where.tp_size,
