@@ -311,6 +311,108 @@ def test_fp8_checkpoints_take_what_the_engine_can_load():
     [why] = per_tensor.problems(bf16[:1])
     assert "scale" in why and "quantization='fp8'" in why
 
+def _bits(t) -> bytes:
+    """The tensor's bytes, to compare FP8 and float tensors bit for bit."""
+    import torch
+
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_block_fp8_quantization_is_the_checkpoint_makers_bit_for_bit(tmp_path):
+    """The engine-side quantization of bf16 (`expand`) gives exactly the tensors of the block-FP8
+    checkpoint made from the same weights, and equals a float64 reference of the formula
+    (scale_inv = amax / 448 correctly rounded, fp8 = RNE(w / scale_inv)), which no device changes.
+    Negative control: multiplying by the rounded reciprocal of 448 (what CUDA does for `x / 448.0`)
+    moves scales and FP8 values, so this check would see that difference."""
+    import torch
+
+    from vllm_nccl_sync.patches.vllm_block_fp8 import FP8_MAX, SCALE, blocks_of, expand, quantize
+    from vllm_nccl_sync.testing import FP8_BLOCK, make_block_fp8
+    from vllm_nccl_sync.verify import checkpoint_tensors
+
+    fp8 = {n: f() for n, f in checkpoint_tensors(make_block_fp8(str(tmp_path / "q"), 3)).items()}
+    bf16 = checkpoint_tensors(make_block_fp8(str(tmp_path / "b"), 3, quantized=False))
+    index = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in fp8.items()}
+    blocks = blocks_of(index, [FP8_BLOCK, FP8_BLOCK])
+    assert len(blocks) == 14
+    got = dict(expand([(n, f()) for n, f in bf16.items()], blocks))
+    assert got.keys() == fp8.keys()
+    for n, t in fp8.items():
+        assert got[n].dtype == t.dtype and _bits(got[n]) == _bits(t), n
+        if n in blocks:
+            assert t.dtype == torch.float8_e4m3fn and fp8[n + SCALE].dtype == torch.float32
+
+    def reference(w: torch.Tensor, recip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = w.shape[0] // FP8_BLOCK, w.shape[1] // FP8_BLOCK
+        b = w.double().reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)
+        amax = b.abs().amax(dim=(1, 3))
+        scale = ((amax.float() * (torch.tensor(1.0) / FP8_MAX)) if recip
+                 else (amax / FP8_MAX).float())
+        q = (b / scale.double()[:, None, :, None]).float().reshape(w.shape)
+        return q.to(torch.float8_e4m3fn), scale
+
+    moved = 0
+    for n in blocks:
+        w = bf16[n]()
+        q, s = quantize(w, (FP8_BLOCK, FP8_BLOCK))
+        rq, rs = reference(w)
+        assert _bits(s) == _bits(rs) and _bits(q) == _bits(rq), n
+        cq, cs = reference(w, recip=True)
+        moved += (_bits(cs) != _bits(s)) + (_bits(cq) != _bits(q))
+    assert moved > 0, "the reciprocal control moved nothing: the check is blind"
+
+
+def test_verify_finds_a_vlms_packed_modules_on_its_language_model():
+    """A VLM declaring no `packed_modules_mapping` of its own (vLLM's `SupportsLoRA` default) while
+    its language model declares `qkv_proj`: `verify` rebuilds the stacked parameter from the
+    checkpoint's q/k/v under the mapper's names, and every engine parameter has its sources."""
+    import torch
+
+    from vllm_nccl_sync.verify import compare, module_checksums
+
+    class Mapper:
+        orig_to_new_prefix = {"model.language_model.": "language_model.model.",
+                              "lm_head.": "language_model.lm_head.",
+                              "model.": "language_model.model."}
+
+    class Attn(torch.nn.Module):
+        def __init__(self, q, k, v) -> None:
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(4, 12, bias=False)
+            self.o_proj = torch.nn.Linear(4, 4, bias=False)
+            with torch.no_grad():
+                self.qkv_proj.weight.copy_(torch.cat([q, k, v]))
+
+    class LM(torch.nn.Module):
+        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+        def __init__(self, attn: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+            self.model.layers[0].self_attn = attn
+
+    class VLM(torch.nn.Module):
+        packed_modules_mapping: dict[str, list[str]] = {}
+        hf_to_vllm_mapper = Mapper()
+
+        def __init__(self, lm: torch.nn.Module) -> None:
+            super().__init__()
+            self.language_model = lm
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 4, generator=g) for _ in range(3))
+    engine = VLM(LM(Attn(q, k, v)))
+    o = engine.language_model.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    pre = "model.layers.0.self_attn."
+    src = {pre + "q_proj.weight": q, pre + "k_proj.weight": k, pre + "v_proj.weight": v,
+           pre + "o_proj.weight": o}
+    report = compare(src, [{"params": module_checksums(engine)}])
+    assert report.count("match") == 4 and not report.engine_only, report.to_dict()
+    stale = compare({**src, pre + "k_proj.weight": k + 1}, [{"params": module_checksums(engine)}])
+    assert stale.count("mismatch") == 3, stale.summary()
+
+
 def test_verify_rebuilds_stacked_sharded_padded_and_expert_parameters():
     """`compare` rebuilds each engine parameter from the checkpoint the way vLLM's loaders lay it
     out (stacked q|k|v under TP, a vocabulary padded then sharded, fused experts), so a TP-2

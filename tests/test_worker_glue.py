@@ -63,3 +63,18 @@ def test_replica_from_data_parallel_rank_without_index():
     cfg = SimpleNamespace(tensor_parallel_size=1, world_size=1, rank=0, data_parallel_rank=2,
                           distributed_executor_backend=None)
     assert worker_rank(cfg, 1).rank == 3 and worker_rank(cfg, 1).replica == 2
+
+
+@pytest.mark.parametrize("method,refused", [(None, False), ("ngram", False), ("suffix", False),
+                                            ("mtp", True), ("eagle3", True),
+                                            ("draft_model", True)])
+def test_engines_with_a_drafter_are_refused(method, refused):
+    """A drafter with weights of its own (MTP head, EAGLE, a draft model) would keep the old
+    weights after an in-place update: such engines are refused, saying why and what to do."""
+    from vllm_nccl_sync.vllm_loader import drafter_problem
+
+    spec = None if method is None else SimpleNamespace(method=method)
+    why = drafter_problem(SimpleNamespace(speculative_config=spec))
+    assert bool(why) == refused
+    if refused:
+        assert repr(method) in why and "ngram" in why and "speculative_config" in why

@@ -21,7 +21,7 @@ FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v2", "gemma2", "phi3", "qwen2_vl")
 """Further model families (tiny configs of their own layouts), built like `ARCHS`."""
 
 
-def _config(arch: str):
+def _config(arch: str, **overrides: Any):
     common = {
         "vocab_size": VOCAB,
         "hidden_size": 128,
@@ -46,14 +46,18 @@ def _config(arch: str):
             tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common
         )
     if arch in FAMILIES:
-        return _family_config(arch, common)
+        return _family_config(arch, common, **overrides)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + FAMILIES}")
 
 
-def _family_config(family: str, common: dict):
+def _family_config(family: str, common: dict, **overrides: Any):
     """Tiny configs that keep each family's distinctive layout (head sizes vLLM's CPU kernels
-    take: 32/64/... for attention, 512 + 64 latent for MLA)."""
+    take: 32/64/... for attention, 512 + 64 latent for MLA). `overrides` replace config
+    arguments of the MLA family (`GPU_OVERRIDES`); other families take none."""
     import transformers
+
+    if overrides and family != "deepseek_v2":
+        raise ValueError(f"family {family!r} takes no config overrides, got {sorted(overrides)}")
 
     gqa = {**common, "head_dim": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
@@ -64,10 +68,11 @@ def _family_config(family: str, common: dict):
                                            mlp_only_layers=[], tie_word_embeddings=False,
                                            **moe, **gqa)
     if family == "deepseek_v2":  # MLA (kv_b_proj absorbed after loading) + MoE, shared expert
+        mla = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+               "qk_nope_head_dim": 32, "v_head_dim": 32, **overrides}
         return transformers.DeepseekV2Config(
-            **{**common, "num_attention_heads": 2, "num_key_value_heads": 2},
-            q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-            v_head_dim=32, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+            **{**common, "num_attention_heads": 2, "num_key_value_heads": 2}, **mla,
+            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
             topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
             rope_scaling=None, tie_word_embeddings=False,
             **{**moe, "norm_topk_prob": False})  # transformers never renormalizes here
@@ -91,13 +96,21 @@ def _family_config(family: str, common: dict):
     raise ValueError(f"unknown family {family!r}")
 
 
-def build_model(arch: str, seed: int) -> torch.nn.Module:
-    """A transformers model of `arch` with every parameter drawn by `random_weights(seed)`."""
+GPU_OVERRIDES: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"qk_nope_head_dim": 128, "v_head_dim": 128},
+}
+"""Family -> config arguments for vLLM's GPU kernels: its MLA prefill backends take only
+DeepSeek's own head dimensions (nope 128 + rope 64, v 128), not the CPU matrix's 32 + 64, 32."""
+
+
+def build_model(arch: str, seed: int, **overrides: Any) -> torch.nn.Module:
+    """A transformers model of `arch` with every parameter drawn by `random_weights(seed)`;
+    `overrides` replace config arguments (`GPU_OVERRIDES`)."""
     import transformers
 
     auto = (transformers.AutoModelForImageTextToText if arch == "qwen2_vl"
             else transformers.AutoModelForCausalLM)
-    model = auto.from_config(_config(arch), dtype=torch.float32)
+    model = auto.from_config(_config(arch, **overrides), dtype=torch.float32)
     random_weights(model, seed)
     if arch == "gemma2":  # its embeddings are scaled by sqrt(hidden): let the layers keep up
         with torch.no_grad():

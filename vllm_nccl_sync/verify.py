@@ -15,7 +15,8 @@ as loading does. On GPU every parameter is compared this way.
 What cannot be compared is reported per tensor with the reason, never guessed: a linear weight
 vLLM's CPU backend packed for its GEMM kernels (size 0 after start-up: every linear on CPU; its
 kernel does not give it back reproducibly), experts a backend re-laid out (vLLM's CPU MoE
-pre-packing), fused experts under TP, a name the engine does not have.
+pre-packing), block-FP8 weights and scales DeepGEMM requantized to UE8M0 scales (Hopper and
+later), fused experts under TP, a name the engine does not have.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def module_checksums(model: torch.nn.Module, names: list[str] | None = None) -> 
                 note = _PACKED
             elif pname in ("w13_weight", "w2_weight") and _relaid(module):
                 note = "experts re-laid out by vLLM's MoE backend (not readable as checkpoint)"
+            elif pname in ("weight", "weight_scale_inv") and _ue8m0(module):
+                note = ("requantized by vLLM's DeepGEMM kernel to power-of-two (UE8M0) block "
+                        "scales after loading (not the checkpoint's values)")
             key = (p.data_ptr(), p.numel())
             if p.numel() and key not in cache and not note:
                 cache[key] = digest(p)
@@ -87,10 +91,27 @@ def module_checksums(model: torch.nn.Module, names: list[str] | None = None) -> 
     return out
 
 
+def _ue8m0(module: torch.nn.Module) -> bool:
+    """A block-FP8 linear whose kernel requantizes weight and scales (DeepGEMM with UE8M0)."""
+    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+    return bool(getattr(kernel, "use_deep_gemm_e8m0", False))
+
+
 def _relaid(module: torch.nn.Module) -> bool:
     from .patches.vllm_postload import relaid_experts
 
     return relaid_experts(module) is not None
+
+
+def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The model's `packed_modules_mapping` merged with its direct children's, as vLLM resolves
+    it (`vllm.model_executor.utils.get_packed_modules_mapping`): a VLM may declare none (an empty
+    one from `SupportsLoRA`) while its language model declares `qkv_proj`/`gate_up_proj`."""
+    own = dict(getattr(model, "packed_modules_mapping", None) or {})
+    for child in model.children():
+        for stacked, members in (getattr(child, "packed_modules_mapping", None) or {}).items():
+            own.setdefault(stacked, list(members))
+    return own
 
 
 class _Layouts:
@@ -104,7 +125,7 @@ class _Layouts:
             for orig, new in (getattr(mapper, f"orig_to_new_{kind}", None) or {}).items():
                 if new:
                     self.renames.append((kind, new, orig))
-        self.packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self.packed = packed_modules(model)
         self.expert_map: list[tuple[str, str, int, str]] = []
         for holder in (model, getattr(model, "model", None)):
             get = getattr(holder, "get_expert_mapping", None)

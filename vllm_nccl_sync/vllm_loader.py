@@ -85,6 +85,26 @@ def _tied(vllm_config: Any) -> bool:
     return bool(getattr(mc.hf_text_config, "tie_word_embeddings", False))
 
 
+_WEIGHTLESS_SPECULATION = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
+"""Speculative methods (vLLM `SpeculativeConfig.method`) that keep no weights of their own."""
+
+
+def drafter_problem(vllm_config: Any) -> str:
+    """Why an engine's speculative decoding stops in-place updates ("" if it does not).
+
+    A drafter with weights (an MTP head, EAGLE, a draft checkpoint) is a second model in the
+    worker that `model.load_weights` never reaches: it would go on proposing from the old weights.
+    Greedy output stays right (vLLM verifies every proposal against the target), but acceptance
+    silently decays, so such engines are refused rather than half updated."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    if method is None or method in _WEIGHTLESS_SPECULATION:
+        return ""
+    return (f"speculative decoding with method {method!r} keeps a draft model whose weights an "
+            "update would not reach (it would keep proposing from the old ones); serve without "
+            "speculative_config, or with a weight-free method (ngram, suffix), to hot-swap weights")
+
+
 class VllmWeightLoader:
     """Loads full HF-named tensors into a vLLM worker's model: `begin()`, `load()`*, `finish()`.
 
@@ -124,6 +144,8 @@ class VllmWeightLoader:
         self.stats: dict[str, int] = {}
         self._rows: dict[str, tuple[str, torch.Tensor, int, int] | None] = {}  # see _row_target
         self._by_rows = 0  # tensors of this update loaded row by row
+        if why := drafter_problem(self.vllm_config):
+            raise ValueError(f"this engine cannot be updated in place: {why}")
         self._postload()  # refuses a model that cannot be updated in place, saying why
         self._fp8_blocks = _fp8_blocks(self.vllm_config)
 

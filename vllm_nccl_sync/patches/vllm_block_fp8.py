@@ -6,6 +6,12 @@ float32 `weight_scale_inv` per 128 x 128 block (dequantized = fp8 * scale_inv) f
 vLLM would copy a bf16 tensor into the FP8 weight without a scale, silently wrong; so a floating
 tensor sent for a weight the checkpoint stores block-quantized is quantized here first, the way
 those checkpoints are made (scale_inv = block amax / 448), and loaded with its scale.
+
+Bit for bit on every device: PyTorch's CUDA division by a Python number multiplies by its rounded
+reciprocal (`x * (1/448)`, up to one ulp off `x / 448`, which the CPU computes), and one ulp of a
+block's scale moves FP8 roundings of that block. So every division here is tensor by tensor (IEEE
+correctly rounded on CPU and CUDA alike), and the engine quantizes exactly as a checkpoint made on
+CPU was (vLLM then post-processes both the same way, e.g. DeepGEMM's UE8M0 requantization).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ def quantize(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     padded = t.float().new_zeros(rows * bn, cols * bk)
     padded[:n, :k] = t.float()
     blocks = padded.reshape(rows, bn, cols, bk)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # not `/ FP8_MAX`: see the module docstring
     q = (blocks / scale[:, None, :, None]).reshape(rows * bn, cols * bk)[:n, :k]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
