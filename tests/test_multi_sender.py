@@ -243,7 +243,7 @@ def receiver_then_rejoin(cfg: dict, cfg2: dict, rank: int) -> dict:
 
 def test_sender_killed_mid_update_every_rank_converges_then_rejoins(tmp_path):
     timeout = 5.0
-    cfg, cfg2 = make_cfg(timeout), make_cfg(timeout)
+    cfg, cfg2 = make_cfg(timeout), make_cfg(30.0)  # the rejoin waits for the slowest rank
     marker = str(tmp_path / "rejoin")
     coord, _, _, *receivers = run_procs(
         [(coordinator_then_rejoin, (cfg, cfg2, marker)),

@@ -115,7 +115,10 @@ class _Lane:
             self.failure = self.failure or e
             wire = buf[: h.length]
         if h.length:
-            self.works[i] = self.transport.broadcast(wire)
+            try:
+                self.works[i] = self.transport.broadcast(wire)
+            except RuntimeError as e:  # gloo: a receiver's connection is gone already
+                self.lost.append(PeerFailed(f"broadcast of bucket {h.seq} failed: {e}", -1))
         digest: Any = 0
         if self.check and h.length:
             digest = checksum_gpu(wire) if self.gpu else checksum(wire)
@@ -257,9 +260,10 @@ def coordinate(client: PushClient, named_tensors: Mapping[str, torch.Tensor], ve
             if silent:
                 problems.append(f"senders {silent} sent nothing within {cfg.timeout_s:.1f} s "
                                 f"after the coordinator's last bucket (dead?)")
-            left = sorted({e.rank + cfg.num_senders - 1 for e in lane.lost})
+            left = sorted({e.rank + cfg.num_senders - 1 for e in lane.lost if e.rank >= 0})
             if left:
                 problems.append(f"receivers {left} left sender 0's data plane")
+            problems += [clip(str(e), 300) for e in lane.lost[:1] if e.rank < 0]
             if problems:
                 raise PushError(f"update {version} failed: " + "; ".join(problems), errors,
                                 silent + left)

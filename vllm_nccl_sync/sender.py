@@ -172,6 +172,10 @@ class PushClient:
         self._cksum_stream: torch.cuda.Stream | None = None
         self._cksum_done: list[torch.cuda.Event] = []
         self._lost: list[PeerFailed] = []  # receivers whose data-plane transfer failed (gloo)
+        self.peers: set[int] = set()
+        """The other senders that joined (several senders only)."""
+        self.early: list[tuple[int, object]] = []
+        """Other senders' messages that came before the first update (their `Offer`s)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -183,9 +187,6 @@ class PushClient:
         if self._peer is not None:
             return self._peer.connect()
         self.transport = Transport(self.cfg.group(0), 0, self.device)
-        self.peers: set[int] = set()
-        self.early: list[tuple[int, object]] = []
-        """Other senders' messages that came before the first update (its `Offer`s)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while len(self.hellos) < len(self.ranks) or len(self.peers) < self.cfg.num_senders - 1:
             rank, msg = self.channel.recv(deadline)
@@ -235,8 +236,8 @@ class PushClient:
     def _abort_all(self, version: int, seq: int, reason: str) -> None:
         """Tell every live receiver (and other sender) that update `version` is abandoned
         (never raises)."""
-        lost = self.channel.send_all(self.ranks + sorted(getattr(self, "peers", ())), Abort(PROTOCOL_VERSION, version, seq,
-                                                       clip(reason)))
+        to = self.ranks + sorted(self.peers)  # and every other sender
+        lost = self.channel.send_all(to, Abort(PROTOCOL_VERSION, version, seq, clip(reason)))
         if lost:
             log.warning("Abort of update %d did not reach ranks %s", version, lost)
 
