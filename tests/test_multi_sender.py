@@ -128,6 +128,12 @@ def test_config_groups():
         SyncConfig(**{**make_cfg(), "world_size": 2})
     with pytest.raises(ValueError, match="ranks 0..1 are the senders"):
         Receiver(cfg, 1)
+    peer = PushClient(cfg, rank=1)
+    try:
+        with pytest.raises(ValueError, match="no adapter, no window"):
+            peer.push({}, 1, window=2)
+    finally:
+        peer.close()
 
 
 # ------------------------------------------------------------------------------ processes
@@ -191,8 +197,8 @@ def killed_sender_proc(cfg: dict) -> None:
 def coordinator_then_rejoin(cfg: dict, cfg2: dict, marker: str) -> dict:
     client = PushClient(SyncConfig(**cfg))
     client.connect()
-    t0 = time.monotonic()
     client.push(owned(model_tensors(1), 0), 1)
+    t0 = time.monotonic()
     try:
         client.push(owned(model_tensors(2), 0), 2)
     except Exception as e:  # noqa: BLE001 - reported to the test
@@ -268,3 +274,6 @@ def test_sender_killed_mid_update_every_rank_converges_then_rejoins(tmp_path):
         assert rx["last"]["ok"] and rx["last"]["version"] == 3 and rx["last"]["consistent"]
         assert rx["digests"] == want
     assert coord["acks"] == 2
+    print(f"\n[multi-sender] sender 1 killed: coordinator failed after {coord['seconds']:.2f} s, "
+          f"receivers after {[round(rx['seconds'], 2) for rx in receivers]} s "
+          f"(timeout_s {timeout})")

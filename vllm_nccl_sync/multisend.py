@@ -257,7 +257,9 @@ def coordinate(client: PushClient, named_tensors: Mapping[str, torch.Tensor], ve
             if lane.failure is not None:  # the tensor source failed
                 raise lane.failure
             problems = [f"rank {r}: {m}" for r, m in sorted(errors.items())]
-            if silent:
+            if silent and errors:  # the wait for their `Sent` ended with the errors
+                problems.append(f"senders {silent} did not finish their buckets (dead?)")
+            elif silent:
                 problems.append(f"senders {silent} sent nothing within {cfg.timeout_s:.1f} s "
                                 f"after the coordinator's last bucket (dead?)")
             left = sorted({e.rank + cfg.num_senders - 1 for e in lane.lost if e.rank >= 0})

@@ -26,6 +26,10 @@ A receiver that fails tells the sender at once (`Error`) and keeps taking part i
 collective a `Go` covers; the sender then aborts every rank the same way after the last of them.
 A worker whose weights may differ from what its peers hold under the stamped version reports
 `consistent: False` until the next complete update.
+
+Several senders (`SyncConfig.senders`): the receiver joins one data-plane group per sender and
+takes bucket k from the group its header's `src` names; everything else is as above (see
+`multisend`).
 """
 
 from __future__ import annotations
@@ -450,7 +454,7 @@ class Receiver:
             u.in_step = False
             self._broken = (f"collective of bucket {seq} from sender {header.src} failed: "
                             f"{clip(str(e))}")
-            raise RuntimeError(f"rank {self.rank}: {self._broken}") from e
+            raise RuntimeError(self._broken) from e
         u.nbytes += header.length
         if self._cuda:  # beside the loads, on its own stream; the buffer waits for both
             with torch.cuda.stream(self._cksum_stream):

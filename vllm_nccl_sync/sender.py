@@ -369,6 +369,9 @@ class PushClient:
         rank returns the same outcome (its own `bytes`; `per_sender` on the coordinator) or
         raises `PushError` with the reason.
         """
+        if self.cfg.num_senders > 1 and (adapter is not None or window != 1):
+            raise ValueError("several senders send base weights as a state dict: no adapter, "
+                             "no window")
         if self._peer is not None:
             return self._peer.push(named_tensors, version, dtype=dtype, force=force, full=full,
                                    staged=staged, balance=balance)
