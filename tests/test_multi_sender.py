@@ -170,14 +170,14 @@ def test_two_senders_two_receivers_bit_identical_exact_bytes_half_each():
     assert max(s0["sizes"] + s1["sizes"]) <= cfg["bucket_bytes"]
 
 
-def killed_sender_proc(cfg: dict) -> None:
-    """Sender 1: update 1 as usual; in update 2 it kills itself once its first broadcast has
-    completed (observed through the handle, not timed)."""
+def killed_sender_proc(cfg: dict, rank: int = 1) -> None:
+    """Sender `rank`: update 1 as usual; in update 2 it kills itself once its first broadcast
+    has completed (observed through the handle, not timed)."""
     from vllm_nccl_sync.transport import Transport
 
-    client = PushClient(SyncConfig(**cfg), rank=1)
+    client = PushClient(SyncConfig(**cfg), rank=rank)
     client.connect()
-    client.push(owned(model_tensors(1), 1), 1)
+    client.push(owned(model_tensors(1), rank), 1)
     orig = Transport.broadcast
 
     def spy(self, tensor, src=0, *, length=None):
@@ -191,7 +191,30 @@ def killed_sender_proc(cfg: dict) -> None:
         return work
 
     Transport.broadcast = spy
-    client.push(owned(model_tensors(2), 1), 2)
+    client.push(owned(model_tensors(2), rank), 2)
+
+
+def surviving_sender(cfg: dict) -> dict:
+    client = PushClient(SyncConfig(**cfg), rank=1)
+    client.connect()
+    client.push(owned(model_tensors(1), 1), 1)
+    t0 = time.monotonic()
+    try:
+        client.push(owned(model_tensors(2), 1), 2)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    finally:
+        client.close()
+    return {"error": None}
+
+
+def receiver_two(cfg: dict, rank: int) -> dict:
+    rx = Receiver(SyncConfig(**cfg), rank)
+    first = rx.receive(DigestLoader(), timeout_s=60)
+    t0 = time.monotonic()
+    second = rx.receive(DigestLoader(), timeout_s=60)
+    rx.close()
+    return {"first": first, "second": second, "seconds": time.monotonic() - t0}
 
 
 def coordinator_then_rejoin(cfg: dict, cfg2: dict, marker: str) -> dict:
@@ -277,3 +300,21 @@ def test_sender_killed_mid_update_every_rank_converges_then_rejoins(tmp_path):
     print(f"\n[multi-sender] sender 1 killed: coordinator failed after {coord['seconds']:.2f} s, "
           f"receivers after {[round(rx['seconds'], 2) for rx in receivers]} s "
           f"(timeout_s {timeout})")
+
+
+def test_coordinator_killed_mid_update_every_rank_converges():
+    timeout = 5.0
+    cfg = make_cfg(timeout)
+    _, other, *receivers = run_procs(
+        [(killed_sender_proc, (cfg, 0)), (surviving_sender, (cfg,))]
+        + [(receiver_two, (cfg, r)) for r in (2, 3)],
+        DEADLINE, allow_killed={0},
+    )
+    # The other sender waits for a verdict at most 2 x timeout_s (+10 %) and names the cause.
+    assert other["error"] and "coordinator" in other["error"], other
+    assert other["seconds"] < 2 * timeout + 1 + 5, other
+    for rx in receivers:
+        assert rx["first"]["ok"] and rx["first"]["version"] == 1
+        second = rx["second"]
+        assert not second["ok"] and second["version"] == 1 and not second["consistent"], second
+        assert rx["seconds"] < 2 * timeout + 5, rx["seconds"]

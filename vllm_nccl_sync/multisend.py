@@ -284,10 +284,9 @@ def coordinate(client: PushClient, named_tensors: Mapping[str, torch.Tensor], ve
                 channel.send_all(peers, Commit(PROTOCOL_VERSION, version, 2))
     except Exception as e:  # a receiver, a sender or the tensor source failed: end every wait
         client._abort_all(version, total, str(e))
-        missing = getattr(e, "missing", [])
-        if lane.posted and (missing or lane.lost or isinstance(e, PeerFailed)):
-            # A collective may be pending that never completes, or a sender's group is gone.
-            client.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
+        # Past the Go, a failure may have left any sender's group out of step (or its sender
+        # gone): every rank gives its groups up and joins again.
+        client.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
         if isinstance(e, PushError):
             raise
         if isinstance(e, PeerFailed):
@@ -355,7 +354,7 @@ class PeerSender:
         while True:
             try:
                 msg = self.channel.recv(max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
-            except TimeoutError as e:
+            except (TimeoutError, ConnectionError) as e:
                 raise PushError(f"update {version}: the coordinator (sender 0) said nothing "
                                 f"within {self._verdict_s:.1f} s while sender {self.rank} "
                                 f"waited for {what} (coordinator dead?): {e}") from None
@@ -421,18 +420,21 @@ class PeerSender:
                                           self.cfg.timeout_s)
                 sums = lane.drain(self.cfg.timeout_s)
                 failure = lane.failure or (lane.lost[0] if lane.lost else None)
-                if failure is not None:
-                    self._refuse(version, f"sender {self.rank}: {clip(repr(failure))}")
-                    raise failure
+                if failure is not None:  # tell the coordinator; its verdict says why
+                    text = f"sender {self.rank}: {clip(str(failure), 500)}"
+                    self._refuse(version, text)
+                    try:
+                        self._expect(Abort, version, "the verdict")
+                    except PushError as e:
+                        raise PushError(f"{e}; {text}") from None
                 self.channel.send(Sent(PROTOCOL_VERSION, self.rank, version, sums),
                                   self.cfg.timeout_s)
                 self.transport.extend(self._verdict_s)
                 self._expect(Commit, version, "Commit", 1)
                 if staged:
                     self._expect(Commit, version, "Commit(2)", 2)
-        except Exception as e:
-            if lane.posted and (lane.lost or not isinstance(e, PushError)):
-                self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
+        except Exception as e:  # past the Go: every rank gives its groups up (see coordinate)
+            self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
             if isinstance(e, PushError):
                 raise
             raise PushError(f"update {version} failed on sender {self.rank}: "

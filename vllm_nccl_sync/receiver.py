@@ -698,6 +698,9 @@ class Receiver:
         if not u.in_step:
             self._broken = self._broken or f"update {u.version} died mid-way: {clip(str(e))}"
             self._abort(self._broken)  # NCCL: no collective may stay pending
+        if self.cfg.num_senders > 1 and u.agreed >= 0:  # any sender's group may be out of step
+            self._broken = self._broken or (f"update {u.version} failed with several senders: "
+                                            f"{clip(str(e), 300)}")
         if self._cuda:
             with torch.cuda.stream(self._load_stream):
                 for w, _ in u.posted.values():
