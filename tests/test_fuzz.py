@@ -47,6 +47,7 @@ from vllm_nccl_sync.packing import (
     dtype_name,
     pack,
     plan_buckets,
+    tensor_nbytes,
     validate_header,
 )
 from vllm_nccl_sync.protocol import (
@@ -107,6 +108,9 @@ def for_type(tp) -> st.SearchStrategy:
         return st.none()
     if typing.get_origin(tp) is list:
         return st.lists(for_type(typing.get_args(tp)[0]), max_size=4)
+    if typing.get_origin(tp) is dict:  # e.g. `Sent.checksums`
+        key, value = typing.get_args(tp)
+        return st.dictionaries(for_type(key), for_type(value), max_size=4)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):  # e.g. `AdapterSpec | None`
         return st.one_of([for_type(a) for a in typing.get_args(tp)])
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
@@ -465,6 +469,39 @@ def test_validate_header_rejects_or_is_safe(base, mutations, data):
     assert_safe(h, capacity)
 
 
+@fuzz(300)
+@given(st.lists(st.tuples(st.sampled_from(sorted(DTYPES)), st.lists(st.integers(0, 40),
+                                                                    max_size=2),
+                          st.integers(0, 2)), max_size=10),
+       st.sampled_from([64, 256, 1024]), st.booleans())
+def test_multi_sender_plan_is_valid(tensors, capacity, balance):
+    """Several senders: whatever the offers, every header of the plan passes the receivers'
+    check, names the sender that owns each of its tensors, and every tensor is sent whole."""
+    from vllm_nccl_sync.owners import plan_headers, plan_owners
+
+    COUNTS["plan"] += 1
+    specs = [TensorSpec(f"t{i}", d, shape) for i, (d, shape, _) in enumerate(tensors)]
+    if balance:
+        offers = {r: (specs, False) for r in range(3)}
+    else:
+        offers = {r: ([t for t, (_, _, o) in zip(specs, tensors) if o == r], True)
+                  for r in range(3)}
+    owner = plan_owners(offers)
+    assert set(owner) == {t.name for t in specs}
+    order = {r: [t for t in offered if owner[t.name] == r] for r, (offered, _) in offers.items()}
+    headers = plan_headers(order, capacity, 1, P)
+    sent: Counter[str] = Counter()
+    for k, h in enumerate(headers):
+        validate_header(h, k, capacity)
+        assert h.is_last == (k == len(headers) - 1)
+        for slot in h.slots:
+            assert owner[slot.name] == h.src
+            sent[slot.name] += slot.nbytes
+    assert sent + Counter() == Counter({t.name: tensor_nbytes(t.dtype, t.shape) for t in specs
+                                        if tensor_nbytes(t.dtype, t.shape)})
+    assert decode(encode(Plan(P, 1, specs, buckets=headers))).buckets == headers
+
+
 # ---------------------------------------------------------------- (c) the receiver end to end
 
 SECRET = "5ec7e7" * 8
@@ -582,7 +619,7 @@ SCENARIOS = {  # name: (weight, expected error pattern; None: harmless, the upda
     "bad_length_abort": (2, r"rejected bucket \d+: .*(!= end of its last tensor|past the bucket "
                             r"length|outside)"),
     "bad_header_go": (3, REFUSED_GO + r".*(not aligned|unknown dtype|negative|overlaps"
-                         r"|duplicate name)"),
+                         r"|duplicate name|sender -?\d+ is not one of the 1 sender)"),
     "header_other_version": (2, rf"{VIOLATION} Go|{REFUSED_GO}header of update"),
     "digest_no_checksum": (2, r"Digest for bucket \d+ carries no checksum, and this receiver "
                               r"requires one"),
@@ -753,7 +790,8 @@ def hostile_events(data, scenario: str, version: int) -> Case:
             if not h.slots:
                 h = r(h, slots=[Slot("e", "float32", [0], 0, 0)], length=0)
             s0 = h.slots[0]
-            how = data.draw(st.sampled_from(["misalign", "dtype", "neg", "overlap", "dup"]))
+            how = data.draw(st.sampled_from(["misalign", "dtype", "neg", "overlap", "dup",
+                                             "src"]))
             if how == "misalign":
                 s0 = r(s0, offset=s0.offset + 8)
             elif how == "dtype":
@@ -766,6 +804,8 @@ def hostile_events(data, scenario: str, version: int) -> Case:
             if how in ("overlap", "dup"):
                 slots = [h.slots[0], r(h.slots[0], name="x" if how == "overlap" else h.slots[0].name)]
             bad = r(h, slots=slots)
+            if how == "src":  # a sender this receiver has no group with (it has one: 0)
+                bad = r(h, src=data.draw(st.sampled_from([1, -1, 2**40])))
         else:
             delta = data.draw(st.sampled_from([-1, 1, ALIGN, -h.length - 1, CAP + 1]))
             bad = r(h, length=h.length + delta)

@@ -294,9 +294,33 @@ def role_cut_receiver(a: dict) -> dict:
     return {"summary": summary, "elapsed": elapsed}
 
 
+def role_ms_sender(a: dict) -> dict:
+    """One of several senders: offers every tensor, the coordinator balances them."""
+    from vllm_nccl_sync import PushClient, SyncConfig
+
+    sizes = record_broadcasts()
+    client = PushClient(SyncConfig(**a["cfg"]), rank=a["rank"])
+    client.connect()
+    r = client.push(_small_model(), version=1, balance=True)
+    client.close()
+    return {"bytes": r.bytes, "per_sender": r.per_sender, "wire": sum(sizes),
+            "acks": [x.rank for x in r.acks]}
+
+
+def role_ms_receiver(a: dict) -> dict:
+    from vllm_nccl_sync import SyncConfig
+    from vllm_nccl_sync.receiver import Receiver
+
+    rx = Receiver(SyncConfig(**a["cfg"]), a["rank"])
+    loader = DigestLoader()
+    summary = rx.receive(loader, timeout_s=a["cfg"]["timeout_s"])
+    rx.close()
+    return {"summary": summary, "digests": loader.digests}
+
+
 ROLES = {f.__name__.removeprefix("role_"): f
          for f in (role_trainer, role_receiver, role_lonely_receiver, role_lonely_trainer,
-                   role_cut_trainer, role_cut_receiver)}
+                   role_cut_trainer, role_cut_receiver, role_ms_sender, role_ms_receiver)}
 
 
 def _main(argv: list[str]) -> int:
@@ -337,6 +361,8 @@ class Pair:
     a: str  # the trainer's namespace (TRAINER_IP, CUT_TRAINER_IP)
     b: str  # the receiver's namespace (RECEIVER_IP, CUT_RECEIVER_IP)
     cut_dev: str  # the receiver's end of the second link
+    dev_a: str = ""  # the first link's end in `a`
+    dev_b: str = ""  # ... and in `b`
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +372,7 @@ def netns():
         pytest.skip(why)
     tag = secrets.token_hex(3)
     va, vb, vc, vd = (f"vns{tag}{x}" for x in "abcd")  # interface names: at most 15 characters
-    pair = Pair(f"vnsync-{tag}-a", f"vnsync-{tag}-b", vd)
+    pair = Pair(f"vnsync-{tag}-a", f"vnsync-{tag}-b", vd, va, vb)
     made: list[str] = []
     try:
         for ns in (pair.a, pair.b):
@@ -526,3 +552,42 @@ def test_unreachable_or_lost_peers_fail_clearly_within_timeout(netns, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+def _tx_bytes(ns: str, dev: str) -> int:
+    path = f"/sys/class/net/{dev}/statistics/tx_bytes"
+    r = subprocess.run(["ip", "netns", "exec", ns, "cat", path], capture_output=True, text=True,
+                       timeout=20, check=True)
+    return int(r.stdout)
+
+
+def test_two_senders_one_per_namespace_each_on_its_own_link(netns, tmp_path):
+    """Several senders across hosts: sender 0 (the coordinator) in `a`, sender 1 in `b`, a
+    receiver in each. Every tensor arrives bit-identical, and each sender's bytes leave through
+    its own host's end of the link (the other receiver's copy comes over loopback)."""
+    cport, gport0, gport1 = _ports(3)
+    cfg = dict(host=TRAINER_IP, control_port=cport, group_port=gport0, world_size=4,
+               bucket_bytes=1 << 20, timeout_s=20.0, senders=[[RECEIVER_IP, gport1]])
+    before = {ns: _tx_bytes(ns, dev) for ns, dev in ((netns.a, netns.dev_a),
+                                                     (netns.b, netns.dev_b))}
+    s0, s1, rx_a, rx_b = run_in_netns(
+        [(netns.a, "ms_sender", {"cfg": cfg, "rank": 0}),
+         (netns.b, "ms_sender", {"cfg": cfg, "rank": 1}),
+         (netns.a, "ms_receiver", {"cfg": cfg, "rank": 2}),
+         (netns.b, "ms_receiver", {"cfg": cfg, "rank": 3})], tmp_path, DEADLINE_S)
+    tx = {ns: _tx_bytes(ns, dev) - before[ns] for ns, dev in ((netns.a, netns.dev_a),
+                                                              (netns.b, netns.dev_b))}
+    want = {n: digest(t) for n, t in _small_model().items()}
+    for rx in (rx_a, rx_b):
+        assert rx["summary"]["ok"], rx["summary"]
+        assert rx["digests"] == want
+    total = sum(t.numel() * t.element_size() for t in _small_model().values())
+    assert sorted(s0["acks"]) == [2, 3] and s0["per_sender"] == {"0": s0["bytes"], "1": s1["bytes"]}
+    assert s0["bytes"] + s1["bytes"] == total and s0["bytes"] == s1["bytes"] == total // 2
+    assert (s0["wire"], s1["wire"]) == (s0["bytes"], s1["bytes"])  # one copy per group member
+    # Each sender's bytes cross the link once (to the receiver on the other side), from its own
+    # end: TCP/IP headers and the control plane add a few percent, the other sender adds none.
+    for ns, sent in ((netns.a, s0["bytes"]), (netns.b, s1["bytes"])):
+        assert sent <= tx[ns] < 1.1 * sent + (1 << 20), (ns, tx[ns], sent)
+    print(f"\n[netns] two senders: {s0['bytes']} B out of a ({tx[netns.a]} B on its link), "
+          f"{s1['bytes']} B out of b ({tx[netns.b]} B on its link)")

@@ -16,7 +16,8 @@ Checks, in this order, before a payload is decoded: frame count, payload size (<
 before any hashing), tag length, MAC (`hmac.compare_digest`), session/routing id, rank, epoch,
 counter. A frame failing any check is dropped, counted (`rejected`, `rejections` by reason) and
 logged with the peer (routing id and address), rate-limited; the wait it arrived in goes on. A
-receiver's new session is accepted only through a `Hello` naming the same rank.
+receiver's new session is accepted only through a `Hello` naming the same rank (another sender's:
+a `SenderHello`).
 
 A frame over ZeroMQ's MAXMSGSIZE (`MAX_WIRE_BYTES`) never reaches these checks: libzmq drops the
 connection it came on (the socket lives on). On the trainer's side the receiver's DEALER then
@@ -85,7 +86,16 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from .protocol import MAX_FRAME_BYTES, Error, Hello, Message, ProtocolError, decode, encode
+from .protocol import (
+    MAX_FRAME_BYTES,
+    Error,
+    Hello,
+    Message,
+    ProtocolError,
+    SenderHello,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +443,7 @@ class SenderChannel:
         if getattr(msg, "rank", rank) != rank:
             return self._reject("rank mismatch", peer, f"session rank {rank}, message {msg.rank}")
         if s is None:
-            if not isinstance(msg, Hello):
+            if not isinstance(msg, (Hello, SenderHello)):  # a receiver's or another sender's
                 return self._reject("no session", peer, f"{type(msg).__name__} before Hello")
             self._bind(rank, sid, counter, peer)
         return rank, msg

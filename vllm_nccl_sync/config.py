@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .packing import ALIGN
@@ -26,7 +26,7 @@ class SyncConfig:
     group_port: int
     """TCPStore port of the data-plane group."""
     world_size: int
-    """1 trainer + every receiving worker of every engine."""
+    """The senders (1, or M with `senders`) + every receiving worker of every engine."""
     backend: str = "gloo"
     """Data plane: `gloo` (CPU) or `nccl` (GPU)."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -39,12 +39,18 @@ class SyncConfig:
     sender with checksums off cannot push to a receiver that requires them."""
     secret: str = ""
     """Shared secret (hex) authenticating control frames with HMAC-SHA256; empty disables."""
+    senders: tuple[tuple[str, int], ...] = ()
+    """Several senders: `(host, group_port)` of the data-plane group of senders 1..M-1, each
+    hosted by that sender (sender 0, the coordinator, is `host`/`group_port`). Receivers then
+    start at rank M. Empty: one sender."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "senders", tuple((str(h), int(p)) for h, p in self.senders))
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
-        if self.world_size < 2:
-            raise ValueError(f"world_size {self.world_size} must be >= 2 (a trainer and a receiver)")
+        if self.world_size < self.num_senders + 1:
+            raise ValueError(f"world_size {self.world_size} must be >= {self.num_senders + 1} "
+                             f"({self.num_senders} sender(s) and a receiver)")
         if self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN:
             raise ValueError(f"bucket_bytes {self.bucket_bytes} must be a positive multiple of {ALIGN}")
         for name in ("control_port", "group_port"):
@@ -52,16 +58,38 @@ class SyncConfig:
                 raise ValueError(f"{name} {getattr(self, name)} out of range")
         if self.control_port == self.group_port:
             raise ValueError("control_port and group_port must differ")
+        for host, port in self.senders:
+            if not 0 < port < 65536:
+                raise ValueError(f"group_port {port} of sender {host} out of range")
+        addrs = [(self.host, self.group_port), *self.senders]
+        if len(set(addrs)) != len(addrs):
+            raise ValueError(f"senders' data-plane addresses must differ: {addrs}")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         bytes.fromhex(self.secret)  # raises ValueError if not hex
+
+    @property
+    def num_senders(self) -> int:
+        """M: the senders of every update (ranks 0..M-1)."""
+        return 1 + len(self.senders)
+
+    def group(self, src: int) -> SyncConfig:
+        """The config of sender `src`'s data-plane group ({src} + every receiver; src is its
+        rank 0 and hosts its rendezvous). With one sender: this config itself."""
+        if not self.senders:
+            return self
+        host, port = (self.host, self.group_port) if src == 0 else self.senders[src - 1]
+        return replace(self, host=host, group_port=port, senders=(),
+                       world_size=self.world_size - self.num_senders + 1)
 
     @property
     def secret_bytes(self) -> bytes | None:
         return bytes.fromhex(self.secret) if self.secret else None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["senders"] = [list(a) for a in self.senders]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SyncConfig:

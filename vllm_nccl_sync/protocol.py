@@ -29,13 +29,20 @@ and a side that fails after `Go` still joins every collective it agreed to, then
 (an `Error` at once, the sender's `Abort` after the last agreed collective). A receiver stamps the
 update's version only on the last `Commit`: an engine never reports a version that some of its
 workers do not hold.
+
+Several senders (ranks 0..M-1, `SyncConfig.senders`): sender 0 is the coordinator and runs all of
+the above with the receivers; every other sender joins its ROUTER (`SenderHello`), opens each
+update with an `Offer` of its tensors, gets the `Plan` (each header's `src` names the sender whose
+own data-plane group carries the bucket), answers `Ready`, posts its buckets once a `Go` covers
+them, sends each `Digest` to the coordinator (relayed to the receivers unchanged) and a `Sent`
+after its last one, and ends with the coordinator's `Commit` or `Abort`. One sender: none of this.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on every incompatible change of these messages."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -107,6 +114,8 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     """Accept a `version` not newer than the one the engine holds (rollback on purpose)."""
     staged: bool = False
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
+    src: int = 0
+    """The sender whose data-plane group carries this bucket (0 with one sender)."""
 
 
 class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
@@ -218,7 +227,38 @@ class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True
     version: int = -1
 
 
-Message = Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit | Error
+class SenderHello(msgspec.Struct, tag="sender_hello", frozen=True, forbid_unknown_fields=True):
+    """Sender `rank` (1..M-1) -> the coordinator (sender 0) once it has joined."""
+
+    protocol: int
+    rank: int
+    bucket_bytes: int
+    backend: str
+
+
+class Offer(msgspec.Struct, tag="offer", frozen=True, forbid_unknown_fields=True):
+    """Sender `rank` -> the coordinator, opening its side of update `version`: the tensors it
+    can send. `owned`: it owns exactly these (else they are candidates, balanced by bytes)."""
+
+    protocol: int
+    rank: int
+    version: int
+    tensors: list[TensorSpec]
+    owned: bool = True
+
+
+class Sent(msgspec.Struct, tag="sent", frozen=True, forbid_unknown_fields=True):
+    """Sender `rank` -> the coordinator after its last collective of update `version` was posted:
+    the checksum of each of its buckets, by seq (0: none)."""
+
+    protocol: int
+    rank: int
+    version: int
+    checksums: dict[int, int]
+
+
+Message = (Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit | Error
+           | SenderHello | Offer | Sent)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

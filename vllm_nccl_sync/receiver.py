@@ -26,6 +26,10 @@ A receiver that fails tells the sender at once (`Error`) and keeps taking part i
 collective a `Go` covers; the sender then aborts every rank the same way after the last of them.
 A worker whose weights may differ from what its peers hold under the stamped version reports
 `consistent: False` until the next complete update.
+
+Several senders (`SyncConfig.senders`): the receiver joins one data-plane group per sender and
+takes bucket k from the group its header's `src` names; everything else is as above (see
+`multisend`).
 """
 
 from __future__ import annotations
@@ -182,8 +186,8 @@ class Receiver:
         `require_checksums` (default: `require_checksums_default()`) refuses unchecked buckets;
         `adapters` gives the loader of an update whose plan targets a LoRA adapter (None: such
         updates are refused)."""
-        if rank == 0:
-            raise ValueError("rank 0 is the sender")
+        if rank < cfg.num_senders:
+            raise ValueError(f"ranks 0..{cfg.num_senders - 1} are the senders")
         self.cfg = cfg
         self.rank = rank
         self.reference = reference
@@ -201,7 +205,11 @@ class Receiver:
         self.channel.send(Hello(PROTOCOL_VERSION, rank, replica, tp_rank, tp_size,
                                 cfg.bucket_bytes, cfg.backend, self.require_checksums),
                           cfg.timeout_s)
-        self.transport = Transport(cfg, rank, device)
+        # One data-plane group per sender: {sender s} + every receiver (one sender: the config's).
+        group_rank = rank - cfg.num_senders + 1
+        self.transports = [Transport(cfg.group(s), group_rank, device)
+                           for s in range(cfg.num_senders)]
+        self.transport = self.transports[0]
         dev = self.transport.device
         self.buffers = [torch.empty(cfg.bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
         self._cuda = dev.type == "cuda"
@@ -215,7 +223,7 @@ class Receiver:
     @property
     def broken(self) -> str:
         """Why the data-plane group can no longer be trusted ("" while healthy)."""
-        return self.transport.broken or self._broken
+        return next((t.broken for t in self.transports if t.broken), "") or self._broken
 
     # ------------------------------------------------------------------ control-plane helpers
 
@@ -230,8 +238,16 @@ class Receiver:
 
     def _recv(self, deadline: float):
         msg = self.channel.recv(max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
-        self.transport.extend(self._verdict_s)  # progress: the deadman restarts its count
+        self._extend()  # progress: the deadman restarts its count
         return msg
+
+    def _extend(self) -> None:
+        for t in self.transports:
+            t.extend(self._verdict_s)
+
+    def _abort(self, reason: str) -> None:
+        for t in self.transports:
+            t.abort(reason)
 
     def _fail(self, u: _Update, text: str, seq: int | None = None) -> None:
         """Record the first failure of `u` and tell the sender at once (once per update), so it
@@ -256,6 +272,9 @@ class Receiver:
             return f"rank {self.rank} rejected bucket {seq}: staged flag differs from the plan's"
         if u.last >= 0:
             return f"rank {self.rank} rejected bucket {seq}: it follows the last bucket {u.last}"
+        if not 0 <= header.src < self.cfg.num_senders:
+            return (f"rank {self.rank} rejected bucket {seq}: sender {header.src} is not one of "
+                    f"the {self.cfg.num_senders} sender(s)")
         try:
             validate_header(header, seq, self.cfg.bucket_bytes)
         except ValueError as e:
@@ -408,10 +427,10 @@ class Receiver:
             canary = torch.frombuffer(bytearray(os.urandom(room)), dtype=torch.uint8) if room else None
             if canary is not None:
                 buf[length : length + room].copy_(canary)
-            return self.transport.broadcast(buf, length=length), canary
+            return self.transports[header.src].broadcast(buf, length=length), canary
         with torch.cuda.stream(self._issue_stream):
             self._issue_stream.wait_event(self._free[i])
-            return self.transport.broadcast(buf[:length]), None
+            return self.transports[header.src].broadcast(buf[:length]), None
 
     def _start(self, seq: int, u: _Update) -> None:
         """Post bucket `seq`'s collective once its header is accepted and a `Go` covers it."""
@@ -433,8 +452,9 @@ class Receiver:
             work.wait()
         except RuntimeError as e:
             u.in_step = False
-            self._broken = f"collective of bucket {seq} failed: {clip(str(e))}"
-            raise
+            self._broken = (f"collective of bucket {seq} from sender {header.src} failed: "
+                            f"{clip(str(e))}")
+            raise RuntimeError(self._broken) from e
         u.nbytes += header.length
         if self._cuda:  # beside the loads, on its own stream; the buffer waits for both
             with torch.cuda.stream(self._cksum_stream):
@@ -574,7 +594,9 @@ class Receiver:
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
             if not u.staged:  # staged updates keep whole copies anyway
                 re = Reassembler(getattr(loader, "load_rows", None))
-            with self.transport.armed(self._verdict_s, f"update {u.version}"):
+            with contextlib.ExitStack() as armed:
+                for t in self.transports:
+                    armed.enter_context(t.armed(self._verdict_s, f"update {u.version}"))
                 self._buckets(loader, re, u)
         except Exception as e:  # noqa: BLE001 - a failed update must never take the engine down
             if not isinstance(e, (UpdateFailed, TimeoutError)):
@@ -619,7 +641,7 @@ class Receiver:
             else:
                 self._arrived(seq, u)
                 self._load(seq, loader, re, u)
-            self.transport.extend(self._verdict_s)  # progress: the deadman restarts its count
+            self._extend()  # progress: the deadman restarts its count
             if is_last:
                 break
             del u.headers[seq]
@@ -675,7 +697,10 @@ class Receiver:
             self._error(u.seq, f"rank {self.rank}: {clip(str(e))}")
         if not u.in_step:
             self._broken = self._broken or f"update {u.version} died mid-way: {clip(str(e))}"
-            self.transport.abort(self._broken)  # NCCL: no collective may stay pending
+            self._abort(self._broken)  # NCCL: no collective may stay pending
+        if self.cfg.num_senders > 1 and u.agreed >= 0:  # any sender's group may be out of step
+            self._broken = self._broken or (f"update {u.version} failed with several senders: "
+                                            f"{clip(str(e), 300)}")
         if self._cuda:
             with torch.cuda.stream(self._load_stream):
                 for w, _ in u.posted.values():
@@ -718,5 +743,6 @@ class Receiver:
         return out
 
     def close(self) -> None:
-        self.transport.close()
+        for t in self.transports:
+            t.close()
         self.channel.close()

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -65,6 +65,7 @@ from .protocol import (
     Plan,
     Ready,
     Seal,
+    SenderHello,
     TensorSpec,
 )
 from .transport import Handle, PeerFailed, Transport
@@ -97,6 +98,8 @@ class PushResult:
     tensors: int
     seconds: float
     acks: list[Ack]
+    per_sender: dict[int, int] = field(default_factory=dict)
+    """Several senders, on the coordinator: the bytes each sender rank sent (`bytes`: its own)."""
 
     @property
     def gbps(self) -> float:
@@ -141,11 +144,27 @@ def _with_last(it: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
 
 
 class PushClient:
-    """Binds the control socket and hosts the group's rendezvous; then pushes updates."""
+    """Binds the control socket and hosts the group's rendezvous; then pushes updates.
 
-    def __init__(self, cfg: SyncConfig, device: torch.device | None = None) -> None:
+    Several senders (`cfg.senders`): every trainer rank that sends makes one with its `rank`
+    (0..M-1) and calls `connect` and `push` with the tensors it owns (or, `balance=True`, all it
+    can produce). Rank 0 is the coordinator: it hosts the control socket and runs the agreement
+    and the commit round for all of them (`multisend`).
+    """
+
+    def __init__(self, cfg: SyncConfig, device: torch.device | None = None, *,
+                 rank: int = 0) -> None:
+        if not 0 <= rank < cfg.num_senders:
+            raise ValueError(f"sender rank {rank} outside [0, {cfg.num_senders})")
         self.cfg = cfg
         self.device = device
+        self.rank = rank
+        self._peer = None
+        if rank > 0:  # another sender: joins the coordinator, pushes only its own buckets
+            from .multisend import PeerSender
+
+            self._peer = PeerSender(cfg, rank, device)
+            return
         self.channel = SenderChannel(cfg.host, cfg.control_port, cfg.secret_bytes)
         self.transport: Transport | None = None
         self.hellos: dict[int, Hello] = {}
@@ -153,17 +172,34 @@ class PushClient:
         self._cksum_stream: torch.cuda.Stream | None = None
         self._cksum_done: list[torch.cuda.Event] = []
         self._lost: list[PeerFailed] = []  # receivers whose data-plane transfer failed (gloo)
+        self.peers: set[int] = set()
+        """The other senders that joined (several senders only)."""
+        self.early: list[tuple[int, object]] = []
+        """Other senders' messages that came before the first update (their `Offer`s)."""
 
     @property
     def ranks(self) -> list[int]:
-        return list(range(1, self.cfg.world_size))
+        """The receivers' ranks."""
+        return list(range(self.cfg.num_senders, self.cfg.world_size))
 
     def connect(self) -> dict[int, Hello]:
         """Rendezvous with every receiver (blocks until all joined, at most `timeout_s`)."""
-        self.transport = Transport(self.cfg, 0, self.device)
+        if self._peer is not None:
+            return self._peer.connect()
+        self.transport = Transport(self.cfg.group(0), 0, self.device)
         deadline = time.monotonic() + self.cfg.timeout_s
-        while len(self.hellos) < len(self.ranks):
+        while len(self.hellos) < len(self.ranks) or len(self.peers) < self.cfg.num_senders - 1:
             rank, msg = self.channel.recv(deadline)
+            if isinstance(msg, SenderHello) and 0 < rank < self.cfg.num_senders:
+                if (msg.bucket_bytes, msg.backend) != (self.cfg.bucket_bytes, self.cfg.backend):
+                    raise PushError(f"sender {rank} runs bucket_bytes={msg.bucket_bytes} "
+                                    f"backend={msg.backend}, the coordinator "
+                                    f"{self.cfg.bucket_bytes} {self.cfg.backend}")
+                self.peers.add(rank)
+                continue
+            if rank in self.peers:  # a sender that joined already may offer its first update
+                self.early.append((rank, msg))
+                continue
             if not isinstance(msg, Hello):
                 raise PushError(f"expected Hello from rank {rank}, got {msg!r:.200}")
             if msg.rank != rank or rank not in self.ranks:
@@ -198,30 +234,33 @@ class PushClient:
                                          f"{type(msg).__name__}", r))
 
     def _abort_all(self, version: int, seq: int, reason: str) -> None:
-        """Tell every live receiver that update `version` is abandoned (never raises)."""
-        lost = self.channel.send_all(self.ranks, Abort(PROTOCOL_VERSION, version, seq,
-                                                       clip(reason)))
+        """Tell every live receiver (and other sender) that update `version` is abandoned
+        (never raises)."""
+        to = self.ranks + sorted(self.peers)  # and every other sender
+        lost = self.channel.send_all(to, Abort(PROTOCOL_VERSION, version, seq, clip(reason)))
         if lost:
             log.warning("Abort of update %d did not reach ranks %s", version, lost)
 
-    def _gather(self, kind: type, seq: int, version: int, phase: int = 1) -> dict[int, object]:
-        """One message from every receiver for `seq`: all `kind`, or a `PushError` naming who
-        failed (`errors`) or said nothing in time (`missing`). Messages of other updates are
-        skipped."""
+    def _gather(self, kind: type, seq: int, version: int, phase: int = 1,
+                ranks: list[int] | None = None) -> dict[int, object]:
+        """One message from every receiver (or `ranks`) for `seq`: all `kind`, or a `PushError`
+        naming who failed (`errors`) or said nothing in time (`missing`). Messages of other
+        updates are skipped."""
+        ranks = self.ranks if ranks is None else ranks
         deadline = time.monotonic() + self.cfg.timeout_s
         self.transport.extend(2 * self.cfg.timeout_s)  # the deadman never beats this wait
         got: dict[int, object] = {}
         errors: dict[int, str] = {}
-        while len(got) + len(errors) < len(self.ranks):
+        while len(got) + len(errors) < len(ranks):
             try:
                 rank, msg = self.channel.recv(deadline)
             except TimeoutError:
-                missing = sorted(set(self.ranks) - set(got) - set(errors))
+                missing = sorted(set(ranks) - set(got) - set(errors))
                 text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
                 raise PushError(f"update {version}: no {kind.__name__} for bucket {seq} from "
                                 f"ranks {missing} within {self.cfg.timeout_s:.1f} s"
                                 + (f"; {text}" if text else ""), errors, missing) from None
-            if rank not in self.ranks:
+            if rank not in ranks:
                 log.warning("ignoring %s from rank %d, which is not in this group",
                             type(msg).__name__, rank)
             elif getattr(msg, "version", version) not in (version, -1):
@@ -303,6 +342,7 @@ class PushClient:
         staged: bool = False,
         adapter: AdapterSpec | None = None,
         window: int = 1,
+        balance: bool = False,
     ) -> PushResult:
         """Send one complete update; returns once every receiver of every engine committed it.
 
@@ -322,7 +362,28 @@ class PushClient:
         on a timeout the NCCL communicator is aborted and this client must be replaced).
         `adapter`: the tensors are this LoRA adapter's (a mapping only); receivers add it or
         replace the weights of the adapter of that name, and version it on its own.
+
+        Several senders: every sender rank calls `push` with the same `version` and flags and a
+        mapping of the tensors it owns; with `balance`, of every tensor it can produce, and the
+        coordinator gives each tensor one owner, balancing bytes (`owners.plan_owners`). Each
+        rank returns the same outcome (its own `bytes`; `per_sender` on the coordinator) or
+        raises `PushError` with the reason.
         """
+        if self.cfg.num_senders > 1 and (adapter is not None or window != 1):
+            raise ValueError("several senders send base weights as a state dict: no adapter, "
+                             "no window")
+        if self._peer is not None:
+            return self._peer.push(named_tensors, version, dtype=dtype, force=force, full=full,
+                                   staged=staged, balance=balance)
+        if self.cfg.num_senders > 1:
+            from .multisend import coordinate
+
+            if self.transport is None:
+                raise RuntimeError("call connect() before push()")
+            return coordinate(self, named_tensors, version, dtype=dtype, force=force, full=full,
+                              staged=staged, balance=balance, progress=progress)
+        if balance:
+            raise ValueError("balance takes several senders (SyncConfig.senders)")
         if self.transport is None:
             raise RuntimeError("call connect() before push()")
         if self.transport.broken:
@@ -529,6 +590,9 @@ class PushClient:
         return acks
 
     def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            return
         if self.transport is not None:
             self.transport.close()
         self.channel.close()
