@@ -11,8 +11,8 @@ it received is in place (for `e2e` the last `Ack`; for the others a 1-byte broad
 receiver queued after its loads).
 
   raw          one broadcast of a contiguous buffer of the model's total size: the ceiling
-  e2e          this project: `PushClient.push` -> `Receiver.receive` (headers, Ready/Go,
-               exact-length buckets, loads), first header to last ack; swept over bucket sizes
+  e2e          this project: `PushClient.push` -> `Receiver.receive` (plan and agreement,
+               exact-length buckets, loads), first plan to last ack; swept over bucket sizes
   packed       the same packed, double-buffered, exact-length broadcasts without the control plane
                (both sides cut the same plan): what the ZeroMQ round trips cost
   full_bucket  as `packed`, but every bucket is broadcast at the buffer's full capacity (the old

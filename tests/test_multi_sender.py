@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import free_port
 from tests.procs import record_broadcasts, run_procs
-from tests.test_gloo_multiproc import DigestLoader, digest
+from tests.test_gloo_multiproc import DigestLoader, digest, receiver_proc
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.owners import OwnershipError, plan_headers, plan_owners
 from vllm_nccl_sync.protocol import PROTOCOL_VERSION, TensorSpec
@@ -67,18 +67,6 @@ def sender_proc(cfg: dict, rank: int, updates: list[tuple[int, bool]]) -> dict:
                         "acks": sorted(a.rank for a in r.acks)})
     client.close()
     return {"results": results, "sizes": sizes}
-
-
-def receiver_proc(cfg: dict, rank: int, n_updates: int) -> dict:
-    sizes = record_broadcasts()
-    rx = Receiver(SyncConfig(**cfg), rank)
-    out = []
-    for _ in range(n_updates):
-        loader = DigestLoader()
-        summary = rx.receive(loader, timeout_s=60)
-        out.append({"summary": summary, "digests": loader.digests})
-    rx.close()
-    return {"updates": out, "sizes": sizes}
 
 
 # ------------------------------------------------------------------------------ plan (pure)
