@@ -69,7 +69,8 @@ def test_two_senders_into_a_vllm_engine(tmp_path):
         p.start()
     try:
         joined = llm.collective_rpc("nccl_sync_join", timeout=90, args=(cfg, 2))
-        assert joined == [{"rank": 2, "replica": 0, "tp_rank": 0, "tp_size": 1}]
+        assert joined == [{"rank": 2, "replica": 0, "tp_rank": 0, "tp_size": 1,
+                           "host": "127.0.0.1"}]
         outputs = []
         for version in (2, 3):
             [summary] = llm.collective_rpc("nccl_sync_receive", timeout=120, args=(60.0,))
