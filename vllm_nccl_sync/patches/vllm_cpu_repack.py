@@ -29,21 +29,15 @@ from typing import Any
 
 import torch
 
+from . import require_vllm
+
 SUPPORTED = ("0.32.",)
 """vLLM versions (prefixes) whose CPU packing this patch was written against."""
 
 
 def check_version() -> str:
-    """Return the installed vLLM version; raise RuntimeError unless this patch supports it."""
-    import vllm
-
-    version = vllm.__version__
-    if not version.startswith(SUPPORTED):
-        raise RuntimeError(
-            f"vllm_nccl_sync.patches.vllm_cpu_repack supports vLLM {SUPPORTED}, found {version}; "
-            "check dispatch_cpu_unquantized_gemm (vllm/model_executor/layers/utils.py)"
-        )
-    return version
+    """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
+    return require_vllm("vllm_cpu_repack", SUPPORTED, "dispatch_cpu_unquantized_gemm (vllm/model_executor/layers/utils.py)")
 
 
 def applies() -> bool:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from . import require_vllm
+
 log = logging.getLogger(__name__)
 
 SUPPORTED = ("0.26.", "0.32.")
@@ -40,15 +42,7 @@ _MARK = "_nccl_sync_retained"  # set on our clones, so a later bucket does not c
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    import vllm
-
-    version = vllm.__version__
-    if not version.startswith(SUPPORTED):
-        raise RuntimeError(
-            f"vllm_nccl_sync.patches.vllm_layerwise supports vLLM {SUPPORTED}, found {version}; "
-            "check vllm/model_executor/model_loader/reload/layerwise.py"
-        )
-    return version
+    return require_vllm("vllm_layerwise", SUPPORTED, "vllm/model_executor/model_loader/reload/layerwise.py")
 
 
 def applies(model: torch.nn.Module) -> bool:

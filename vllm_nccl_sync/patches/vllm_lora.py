@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from . import require_vllm
+
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose LoRA manager this module was written against."""
 
@@ -49,15 +51,7 @@ SCHEME = "nccl-sync://"
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    import vllm
-
-    version = vllm.__version__
-    if not version.startswith(SUPPORTED):
-        raise RuntimeError(
-            f"vllm_nccl_sync.patches.vllm_lora supports vLLM {SUPPORTED}, found {version}; "
-            "check vllm/lora/worker_manager.py and vllm/lora/model_manager.py"
-        )
-    return version
+    return require_vllm("vllm_lora", SUPPORTED, "vllm/lora/worker_manager.py and vllm/lora/model_manager.py")
 
 
 def _lora_model_cls() -> type:

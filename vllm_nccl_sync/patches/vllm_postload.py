@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from . import require_vllm
+
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose post-load processing this module was written against."""
 
@@ -49,15 +51,7 @@ _IDENTITY_MOE_BACKENDS = {"TRITON", "BATCHED_TRITON"}
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    import vllm
-
-    version = vllm.__version__
-    if not version.startswith(SUPPORTED):
-        raise RuntimeError(
-            f"vllm_nccl_sync.patches.vllm_postload supports vLLM {SUPPORTED}, found {version}; "
-            "check vllm/model_executor/model_loader/utils.py (process_weights_after_loading)"
-        )
-    return version
+    return require_vllm("vllm_postload", SUPPORTED, "vllm/model_executor/model_loader/utils.py (process_weights_after_loading)")
 
 
 def _moe_reason(m: torch.nn.Module) -> str | None:
