@@ -1,6 +1,7 @@
 """The pause that requests served by `AsyncLLM` see around a weight update, against the push alone.
 
     python benchmarks/bench_pause.py --layers 14 --updates 5 --json out.json   # 2 GPUs
+    python benchmarks/bench_pause.py --trainer-gpu cpu --engine-gpu 0 ...       # 1 GPU, gloo
     python benchmarks/bench_pause.py --cpu-smoke --updates 2 --json out.json    # gloo, CPU vLLM
 
 This process is the trainer and the front end of a vLLM v1 `AsyncLLM` (what `vllm serve` runs):
@@ -15,19 +16,25 @@ never stops on its own. Every token's arrival is time-stamped on the loop.
 Each update is a plain `WeightSync.update(tensors, version, pause_mode=...)`. The engine's own
 calls (`pause_generation`, `collective_rpc`, `reset_prefix_cache`, `resume_generation`) and
 `PushClient.push` are wrapped to record when they ran, so the measurement follows whatever those
-calls do. Per update:
+calls do. With `--trainer-gpu cpu` the trainer's tensors stay on the host and travel over gloo
+to the engine on one GPU: the push is then slower than over NCCL, but everything around it (the
+engine's pause, reset, resume and first step) is the GPU engine's own. Per update:
 
-  stall        the gap in the engine's token stream (all clients) that contains the push's start:
-               last token before it to the first one after; what a user sees as the pause
+  paused       the handle's pause called -> the engine's `resume_generation` returned: how long
+               generation is held for the update
   push         `PushClient.push`, start to return: the transfer (plan, buckets, commit)
-  phases       last token -> pause called; pause call (vLLM 0.26 and 0.32 sleep 20 ms in it after
-               the engine paused); pause returned -> push; push; push returned -> receive RPCs
+  stall        the gap in the engine's token stream (all clients) that contains the push's start:
+               last token before it to the first one after; what a user sees as the pause,
+               the first step after the resume included
+  phases       last token -> pause called; pause call (`patches/vllm_pause`: the engine core's
+               pause without `pause_generation`'s closing 20 ms sleep, on the vLLM versions it
+               checks); pause returned -> push; push; push returned -> receive RPCs
                returned; prefix-cache reset; resume; resume returned -> first token (the first
                step: with `keep`, the reset preempts the running requests, which recompute)
   per client   each client's own gap around the push (median, max)
 
 The step interval (median gap between a client's consecutive tokens outside updates) is
-reported for scale. The target is stall <= push + 20 ms. After the timed updates the engine's
+reported for scale. The target is paused <= push + 20 ms. After the timed updates the engine's
 weights are zeroed, one more update runs, and every engine parameter is compared bit for bit
 (exact int64 checksums) with the trainer's tensors; with `keep` and `wait` no request may be lost.
 """
@@ -82,8 +89,8 @@ class Timeline:
             return {e["name"]: e for e in self.events if e["t0"] >= t0 and e["t1"] <= t1}
 
 
-def instrument(engine: Any, client: Any, tl: Timeline) -> None:
-    """Record the engine calls `AsyncLLMHandle` makes and the trainer's push in `tl`."""
+def instrument(engine: Any, handle: Any, client: Any, tl: Timeline) -> None:
+    """Record the handle's pause, the engine calls it makes and the trainer's push in `tl`."""
 
     def wrap_async(name: str, fn: Any) -> Any:
         async def timed(*args: Any, **kwargs: Any) -> Any:
@@ -95,10 +102,17 @@ def instrument(engine: Any, client: Any, tl: Timeline) -> None:
             return out
         return timed
 
-    for attr, name in (("pause_generation", "pause"), ("reset_prefix_cache", "reset_prefix_cache"),
+    for attr, name in (("reset_prefix_cache", "reset_prefix_cache"),
                        ("resume_generation", "resume"), ("collective_rpc", "rpc")):
         setattr(engine, attr, wrap_async(name, getattr(engine, attr)))
-    push = client.push
+    pause, push = handle.pause, client.push
+
+    def timed_pause(mode: str) -> None:  # whatever the handle calls to pause the engine
+        t0 = time.perf_counter()
+        pause(mode)
+        tl.add("pause", t0, time.perf_counter())
+
+    handle.pause = timed_pause
 
     def timed_push(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -220,7 +234,9 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
             per.append(g[1] - g[0])
     out["client_stall_s"] = {"median": statistics.median(per), "max": max(per)} if per else None
     out["excess_s"] = out["stall_s"] - out["push_s"]
-    out["target_met"] = out["excess_s"] <= TARGET_S
+    out["paused_s"] = span(pause, "t0", resume, "t1")
+    out["paused_excess_s"] = None if out["paused_s"] is None else out["paused_s"] - out["push_s"]
+    out["target_met"] = out["paused_excess_s"] is not None and out["paused_excess_s"] <= TARGET_S
     return out
 
 
@@ -249,6 +265,8 @@ def summarise(updates: list[dict]) -> dict[str, dict]:
         out[mode] = {
             "updates": len(ok), "stall_s": mm([u["stall_s"] for u in ok]),
             "push_s": mm([u["push_s"] for u in ok]), "excess_s": mm([u["excess_s"] for u in ok]),
+            "paused_s": mm([u["paused_s"] for u in ok]),
+            "paused_excess_s": mm([u["paused_excess_s"] for u in ok]),
             "client_stall_max_s": mm([u["client_stall_s"]["max"] for u in ok]),
             "phases_s": {p: mm([u["phases_s"][p] for u in ok])
                          if all(u["phases_s"][p] is not None for u in ok) else None
@@ -266,18 +284,21 @@ def table(rep: dict) -> str:
     lines = [f"`{rep['command']}`", "",
              f"Machine: {env.get('gpu', 'CPU (gloo)')}, torch {env.get('torch')}, CUDA "
              f"{env.get('cuda')}, NCCL {env.get('nccl', '-')}, vLLM {env.get('vllm', '-')}; "
-             f"engine {'with' if rep['compiled'] else 'without'} torch.compile + CUDA graphs.", "",
+             f"engine {'with' if rep['compiled'] else 'without'} torch.compile + CUDA graphs; "
+             f"pushed over {rep['data_plane']}"
+             f"{' from the host' if rep['data_plane'] == 'gloo' else ''}.", "",
              f"Model: {gb:.2f} GB bf16, {rep['model']['tensors']} tensors; {rep['clients']} "
              f"streaming clients; step interval {rep['step_interval_s'] * 1e3:.1f} ms; "
              f"median (max) of {rep['updates_per_mode']} updates per mode, ms.", "",
-             "| mode | stall | push | stall - push | worst client | "
-             + " | ".join(PHASES) + " | other | stall <= push + 20 ms |",
-             "| --- " * (len(PHASES) + 7) + "|"]
+             "| mode | paused | push | paused - push | paused <= push + 20 ms | stall | "
+             "stall - push | worst client | " + " | ".join(PHASES) + " | other |",
+             "| --- " * (len(PHASES) + 9) + "|"]
     for mode, s in rep["summary"].items():
-        lines.append(f"| {mode} | {ms(s['stall_s'])} | {ms(s['push_s'])} | {ms(s['excess_s'])} "
+        lines.append(f"| {mode} | {ms(s['paused_s'])} | {ms(s['push_s'])} "
+                     f"| {ms(s['paused_excess_s'])} | {'yes' if s['target_met_all'] else 'NO'} "
+                     f"| {ms(s['stall_s'])} | {ms(s['excess_s'])} "
                      f"| {ms(s['client_stall_max_s'])} | "
-                     + " | ".join(ms(s["phases_s"][p]) for p in (*PHASES, "other"))
-                     + f" | {'yes' if s['target_met_all'] else 'NO'} |")
+                     + " | ".join(ms(s["phases_s"][p]) for p in (*PHASES, "other")) + " |")
     return "\n".join(lines)
 
 
@@ -319,7 +340,8 @@ def run(args: Any) -> dict:
     startup = time.perf_counter() - t0
     stream = sync = None
     try:
-        dev = None if args.cpu_smoke else torch.device("cuda", 1)  # see main(): the trainer's GPU
+        host = args.cpu_smoke or args.trainer_gpu == "cpu"  # the trainer's tensors on the host
+        dev = None if host else torch.device("cuda", 1)  # see main(): the trainer's GPU
         if dev is not None:
             torch.cuda.set_device(dev)  # NCCL and every trainer tensor on it, never the engine's
         g = torch.Generator(device=dev or "cpu").manual_seed(1234)
@@ -329,11 +351,11 @@ def run(args: Any) -> dict:
         expected = bvg.checksums(bvg.vllm_layout(tensors))
         handle = AsyncLLMHandle(engine, loop, call_timeout_s=args.timeout_s)
         bucket = int(args.bucket_mib * (1 << 20)) if args.bucket_mib else None
-        sync = WeightSync([handle], backend="gloo" if args.cpu_smoke else "nccl",
+        sync = WeightSync([handle], backend="gloo" if host else "nccl",
                           bucket_bytes=bucket, timeout_s=args.timeout_s, device=dev)
         sync.connect()
         tl = Timeline()
-        instrument(engine, sync.client, tl)
+        instrument(engine, handle, sync.client, tl)
         stream = Stream(engine, loop, args, bvg.DIMS["vocab"])
         stream.wait_tokens(2, args.timeout_s, "every client streaming")
         updates, version, windows = [], 0, []
@@ -362,7 +384,7 @@ def run(args: Any) -> dict:
         rep = {
             "command": " ".join(["python3", "benchmarks/bench_pause.py"] + [  # no directories
                 os.path.basename(a) if os.path.isabs(a) else a for a in sys.argv[1:]]),
-            "env": bvg.env_info(), "engine_startup_s": startup,
+            "env": bvg.env_info(), "engine_startup_s": startup, "data_plane": sync.cfg.backend,
             "model": {"bytes": nbytes, "tensors": len(tensors), "layers": args.layers},
             "clients": args.clients, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "bucket_bytes": sync.cfg.bucket_bytes,
@@ -399,7 +421,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
     ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization")
     ap.add_argument("--engine-gpu", default="1")
-    ap.add_argument("--trainer-gpu", default="0")
+    ap.add_argument("--trainer-gpu", default="0",
+                    help="the trainer's GPU (NCCL), or 'cpu': tensors on the host, over gloo")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait")
     ap.add_argument("--start-s", type=float, default=600.0, help="bound on the engine's start")
     ap.add_argument("--json", default="")
@@ -417,6 +440,8 @@ def main() -> None:
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                      "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
             os.environ.setdefault(k, v)
+    elif args.trainer_gpu == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.engine_gpu
     else:
         if args.engine_gpu == args.trainer_gpu:
             ap.error("the engine and the trainer need GPUs of their own")

@@ -174,3 +174,13 @@ def test_fault_matrix_cpu_smoke(tmp_path):
                   "v3: push ok", "v3: output == transformers"):
         assert checks.get(check) is True, (check, checks)
     assert any(k.startswith("engine served for 5 s") for k in checks)
+
+
+def test_gloo_floor_smoke(tmp_path):
+    """The gloo floor script: three modes timed, the received bytes equal to the sent ones."""
+    path = tmp_path / "floor.json"
+    out = run_script(["benchmarks/gloo_floor.py", "--smoke", "--json", str(path)], deadline_s=300)
+    assert "bytes equal     yes" in out, out[-3000:]
+    r = json.loads(path.read_text())
+    assert r["bytes_equal"] and set(r["ratio_to_raw"]) == {"raw", "chunked", "chunked+verify"}
+    assert all(len(v) == 2 and min(v) > 0 for v in r["times_s"].values())

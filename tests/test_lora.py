@@ -260,7 +260,7 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
 def test_served_adapter_swapped_with_requests_in_flight(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm_nccl_sync.testing import start_server
+    from vllm_nccl_sync.testing import start_server, stop_server
 
     path = make_model(str(tmp_path / "served"), "qwen2", seed=1)
     args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3"]
@@ -306,11 +306,7 @@ def test_served_adapter_swapped_with_requests_in_flight(tmp_path):
         assert held["A"]["version"] == 2 and len(held["A"]["ids"]) == 2 and 7 in held["A"]["ids"]
     finally:
         sync.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def _server_busy(url: str) -> bool:

@@ -192,3 +192,40 @@ def test_oversize_tensors_are_cut_on_whole_rows_and_loaded_by_rows():
             assert [c[1] for c in calls] == [s.start // 28 for s in chunks]
         else:
             assert torch.equal(got["big"], big) and calls == [("big", 0, chunks[0].nbytes // 28)]
+
+
+def test_alone_threshold_gives_large_tensors_buckets_of_their_own():
+    """From `alone` bytes a tensor shares no bucket (sent from its own memory, no pack); gloo
+    sets that at 4 MiB whatever the bucket, NCCL at half a bucket; below it tensors share."""
+    from vllm_nccl_sync.packing import GLOO_ALONE_BYTES, alone_bytes
+
+    cap = 64 << 20
+    assert alone_bytes(cap, "gloo") == GLOO_ALONE_BYTES and alone_bytes(cap, "nccl") == cap // 2
+    assert alone_bytes(1024, "gloo") == 512
+    tensors = [("a", torch.zeros(16)), ("big", torch.zeros(GLOO_ALONE_BYTES // 4)),
+               ("b", torch.zeros(16)), ("c", torch.zeros(16))]
+    solo = [[s.name for s in b.slots] for b in plan_buckets(tensors, cap, alone_bytes(cap, "gloo"))]
+    shared = [[s.name for s in b.slots]
+              for b in plan_buckets(tensors, cap, alone_bytes(cap, "nccl"))]
+    assert solo == [["a"], ["big"], ["b", "c"]]
+    assert shared == [["a", "big", "b", "c"]]
+
+
+def test_zero_byte_tensors_never_make_a_bucket_of_their_own():
+    """A zero-element tensor between tensors that travel alone joins the next bucket (it moves no
+    byte), so no bucket is empty; the header stays valid and both tensors come out."""
+    cap = 4096
+    big = torch.arange(512, dtype=torch.float32)  # 2048 B: alone at the default threshold
+    tensors = [("big0", big), ("empty", torch.zeros(0, 3)), ("big1", big + 1)]
+    buckets = list(plan_buckets(tensors, cap))
+    assert [[s.name for s in b.slots] for b in buckets] == [["big0"], ["empty", "big1"]]
+    assert all(b.length for b in buckets)
+    got = {}
+    re = Reassembler()
+    for k, b in enumerate(buckets):
+        h = b.header(1, k, k == len(buckets) - 1, PROTOCOL_VERSION)
+        validate_header(h, k, cap)
+        wire = pack(b, torch.zeros(cap, dtype=torch.uint8))
+        got.update({n: t.clone() for n, t in re.unpack(h, wire)})
+    assert got["empty"].shape == (0, 3) and torch.equal(got["big1"], big + 1)
+

@@ -9,7 +9,6 @@ reports the version it holds.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 import time
 import urllib.request
@@ -26,6 +25,7 @@ from vllm_nccl_sync.testing import (
     hf_greedy,
     make_model,
     start_server,
+    stop_server,
 )
 
 pytestmark = pytest.mark.vllm
@@ -173,6 +173,33 @@ def test_async_llm_update_while_serving(async_engine, mode, version):
     assert state["version"] == version and state["consistent"]
 
 
+def test_async_llm_pause_goes_straight_to_the_engine_core(async_engine):
+    """The handle pauses through the engine core (`patches/vllm_pause`), never through
+    `pause_generation` and its closing sleep, on this vLLM; the engine is paused, then resumed."""
+    from vllm_nccl_sync.patches import vllm_pause
+
+    engine, loop, sync = async_engine
+    assert vllm_pause._direct(engine, clear_cache=True)
+    [handle] = sync.engines
+    called = []
+    real = engine.pause_generation
+
+    async def spy(**kw):
+        called.append(kw)
+        await real(**kw)
+
+    engine.pause_generation = spy
+    try:
+        handle.pause("abort")
+        assert _on_loop(loop, engine.is_paused())
+        handle.resume()
+        assert not _on_loop(loop, engine.is_paused())
+    finally:
+        del engine.pause_generation
+    assert called == []
+    assert _greedy_async(engine, loop, "after-pause") == _greedy_async(engine, loop, "again")
+
+
 def test_async_llm_refuses_going_back_unless_forced(async_engine):
     from vllm_nccl_sync import PushError
 
@@ -200,11 +227,7 @@ def server(tmp_path_factory):
     sync.connect()
     yield url, path, sync
     sync.close()
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 def _complete(url: str, path: str, prompt: list[int], max_tokens: int) -> dict:

@@ -238,7 +238,7 @@ class _Rejections:
     def __call__(self, reason: str, peer: str, detail: str = "") -> None:
         self.total += 1
         self.by_reason[reason] += 1
-        self.last = f"{reason} from {peer}"
+        self.last = f"{reason} from {peer}" + (f": {detail}" if detail else "")
         if self.total <= _LOG_FIRST or self.total % _LOG_EVERY == 0:
             log.warning("dropped control frame #%d from %s: %s%s", self.total, peer, reason,
                         f" ({detail})" if detail else "")

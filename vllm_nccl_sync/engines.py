@@ -66,6 +66,7 @@ class AsyncLLMHandle:
         self.loop = loop
         self.workers = _workers(engine.vllm_config)
         self._timeout = call_timeout_s
+        self._cleared = False  # the last pause cleared the caches
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         import asyncio
@@ -77,11 +78,24 @@ class AsyncLLMHandle:
                          None if timeout is None else timeout + 10)
 
     def pause(self, mode: str) -> None:
-        self._run(self.engine.pause_generation(mode=mode, clear_cache=mode != "keep"))
+        """Pause; `abort`/`wait` also clear the KV and prefix caches once the engine is idle."""
+        from .patches.vllm_pause import pause
+
+        self._cleared = False
+        self._run(pause(self.engine, mode, clear_cache=mode != "keep"))
+        self._cleared = mode != "keep"
 
     def resume(self) -> None:
-        self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
-        self._run(self.engine.resume_generation())
+        """Resume; the prefix cache is reset first unless the pause already cleared it (nothing
+        runs in between), and `keep`'s frozen requests recompute with the new weights."""
+        cleared, self._cleared = self._cleared, False
+
+        async def resume() -> None:  # one trip to the engine's loop
+            if not cleared:
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+            await self.engine.resume_generation()
+
+        self._run(resume())
 
 
 class HTTPHandle:

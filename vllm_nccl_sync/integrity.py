@@ -2,9 +2,8 @@
 
 Both are position-weighted sums of the bytes' words (wrap-around integer arithmetic), so a changed
 word changes the sum and a swap or shift changes the weights it meets. CPU (gloo, `checksum`): the
-64-bit words as rows of `_CPU_COLS`, each row a dot product with odd weights (one matrix-vector
-product, one read of the data: about 3x the speed of CRC-32 here, so it keeps up with a loopback
-broadcast), then the row results weighted by their positions. CUDA (NCCL, `checksum_gpu`): 32-bit
+64-bit words summed in rows of 512 bytes (one read of the data at memory speed: about 4x CRC-32
+here), then the row sums weighted by their positions. CUDA (NCCL, `checksum_gpu`): 32-bit
 words, computed on the GPU into a 0-d tensor without any host sync, so a whole update's checksums
 are read back once. Both sides of one group use the same device type, hence the same function.
 Values are positive and below 2**63 and never 0 (0 means "no checksum" on the wire).
@@ -54,17 +53,26 @@ def checksum_gpu(data: torch.Tensor) -> torch.Tensor:
     return (((acc & _MASK) ^ data.numel()) << 1) | 1
 
 
-_CPU_COLS = 1024  # 64-bit words per row of the CPU checksum (8 KiB: rows stay in cache)
+_CPU_COLS = 64  # 64-bit words per row of the CPU checksum (512 B)
+_odds: list[torch.Tensor] = []
 
 
 def _odd(n: int) -> torch.Tensor:
-    """1, 3, 5, ... (n values) as int64 on the CPU (cached): odd weights, so no change of a word
-    can be multiplied away modulo 2**64."""
-    return _ramp(n, torch.device("cpu")) * 2 - 1 if n > _CPU_COLS else _ODD[:n]
+    """1, 3, 5, ... (n values) as int64 on the CPU (cached, grown on demand): odd weights, so no
+    change of a row can be multiplied away modulo 2**64."""
+    if not _odds or _odds[0].numel() < n:
+        _odds[:] = [torch.arange(1, 2 * max(n, _CPU_COLS), 2, dtype=torch.int64)]
+    return _odds[0][:n]
 
 
 def checksum(data: torch.Tensor) -> int:
-    """Checksum of a flat uint8 CPU tensor (one read of the data); CUDA uses `checksum_gpu`."""
+    """Checksum of a flat uint8 CPU tensor (one read of the data); CUDA uses `checksum_gpu`.
+
+    The 64-bit words in rows of 512 bytes are summed per row (wrap-around; the reduction runs at
+    memory speed), then the row sums are weighted by odd position weights: a changed word changes
+    its row's sum, and a moved, shifted, stale or missing row meets another weight. Words
+    permuted inside one row are not told apart: transports move byte ranges, not words.
+    """
     if data.data_ptr() % 8:
         data = data.clone()  # 64-bit words need an aligned start
     n8 = data.numel() // 8
@@ -72,15 +80,12 @@ def checksum(data: torch.Tensor) -> int:
     words = data[: n8 * 8].view(torch.int64)
     acc = 0
     if rows:
-        per_row = torch.mv(words[: rows * _CPU_COLS].view(rows, _CPU_COLS), _ODD)
-        acc += int((per_row * _odd(rows)).sum())
+        per_row = words[: rows * _CPU_COLS].view(rows, _CPU_COLS).sum(dim=1)
+        acc += int(torch.dot(per_row, _odd(rows)))
     tail = words[rows * _CPU_COLS :]
     if tail.numel():
-        acc += int((tail * _odd(tail.numel())).sum()) * 31
+        acc += int(torch.dot(tail, _odd(tail.numel()))) * 31
     rest = data[n8 * 8 :]
     if rest.numel():
-        acc += int((rest.to(torch.int64) * _odd(rest.numel())).sum()) * 1_000_003
+        acc += int(torch.dot(rest.to(torch.int64), _odd(rest.numel()))) * 1_000_003
     return (((acc & _MASK) ^ data.numel()) << 1) | 1
-
-
-_ODD = torch.arange(1, 2 * _CPU_COLS, 2, dtype=torch.int64)

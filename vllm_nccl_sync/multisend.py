@@ -34,7 +34,7 @@ from .channel import ReceiverChannel, clip
 from .config import SyncConfig
 from .integrity import checksum, checksum_gpu
 from .owners import OwnershipError, plan_headers, plan_owners
-from .packing import Bucket, as_bytes, dtype_name, pack, tensor_nbytes
+from .packing import Bucket, alone_bytes, as_bytes, dtype_name, pack, tensor_nbytes
 from .protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -53,7 +53,14 @@ from .protocol import (
     TensorSpec,
     encode,
 )
-from .sender import PushClient, PushError, PushResult, UpdateRefused, _without_aliases
+from .sender import (
+    PushClient,
+    PushError,
+    PushResult,
+    UpdateRefused,
+    _without_aliases,
+    as_push_error,
+)
 from .transport import Handle, PeerFailed, Transport
 
 log = logging.getLogger(__name__)
@@ -195,7 +202,8 @@ def coordinate(client: PushClient, named_tensors: Mapping[str, torch.Tensor], ve
             raise PushError(f"update {version} refused: {e}") from None
         order = {r: [t for t in specs if owner[t.name] == r] for r, (specs, _) in offers.items()}
         tensors = list({t.name: t for specs, _ in offers.values() for t in specs}.values())
-        headers = plan_headers(order, cfg.bucket_bytes, version, PROTOCOL_VERSION, force, staged)
+        headers = plan_headers(order, cfg.bucket_bytes, version, PROTOCOL_VERSION, force, staged,
+                               alone_bytes(cfg.bucket_bytes, cfg.backend))
         total = len(headers)
         plan = Plan(PROTOCOL_VERSION, version, tensors, full, force, None, headers, staged)
         if len(encode(plan)) > MAX_FRAME_BYTES:
@@ -287,12 +295,10 @@ def coordinate(client: PushClient, named_tensors: Mapping[str, torch.Tensor], ve
         # Past the Go, a failure may have left any sender's group out of step (or its sender
         # gone): every rank gives its groups up and joins again.
         client.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
-        if isinstance(e, PushError):
+        err = as_push_error(e, f"update {version} failed", "the coordinator")
+        if err is e:
             raise
-        if isinstance(e, PeerFailed):
-            raise PushError(f"update {version} failed: rank {e.rank} left the data plane: "
-                            f"{clip(str(e))}", missing=[e.rank]) from e
-        raise PushError(f"update {version} failed on the coordinator: {clip(repr(e))}") from e
+        raise err from e
     per_sender = {0: lane.bytes}
     for h in headers:
         if h.src:

@@ -66,13 +66,14 @@ def _meta(t: TensorSpec) -> torch.Tensor:
 
 
 def plan_headers(order: Mapping[int, list[TensorSpec]], capacity: int, version: int,
-                 protocol: int, force: bool = False, staged: bool = False
-                 ) -> list[BucketHeader]:
+                 protocol: int, force: bool = False, staged: bool = False,
+                 alone: int | None = None) -> list[BucketHeader]:
     """Every bucket header of an update whose tensors are `order[rank]` (each owner's, in its
     order): buckets cut per owner, then interleaved by bytes (the owner with the fewest bytes
     placed so far goes next; ties: lowest rank); `seq` counts over all of them, `src` names the
-    owner, and only the very last is `is_last`. An empty update is one empty bucket of rank 0."""
-    cut = {r: list(plan_buckets(((t.name, _meta(t)) for t in specs), capacity))
+    owner, and only the very last is `is_last`. An empty update is one empty bucket of rank 0.
+    `alone`: as in `packing.cut`."""
+    cut = {r: list(plan_buckets(((t.name, _meta(t)) for t in specs), capacity, alone))
            for r, specs in sorted(order.items())}
     placed = dict.fromkeys(cut, 0)
     headers: list[BucketHeader] = []

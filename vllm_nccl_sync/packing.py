@@ -98,21 +98,36 @@ class Bucket:
         return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged)
 
 
+GLOO_ALONE_BYTES = 4 << 20
+"""gloo: tensors from this size travel alone (measured with `vllm-nccl-sync bench`: on a CPU the
+pack copy costs more than the few tens of microseconds of one more message)."""
+
+
+def alone_bytes(capacity: int, backend: str) -> int:
+    """The size from which a tensor gets buckets of its own (sent from its memory, no pack):
+    half a bucket on NCCL, where a pack is a fast on-device copy beside the link and each
+    collective has a fixed cost; at most `GLOO_ALONE_BYTES` on gloo."""
+    half = capacity // 2
+    return min(half, GLOO_ALONE_BYTES) if backend == "gloo" else half
+
+
 def cut(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int, alone: int | None = None
 ) -> Iterator[tuple[Slot, torch.Tensor] | None]:
     """The bucket layout of a stream of named tensors, lazily: `(slot, flat source)` per slot,
     and `None` where a bucket closes (before the slot that no longer fits).
 
     Tensors keep their order. A tensor that does not fit the rest of the current bucket starts a
-    new one. A tensor of at least half the capacity has buckets of its own (none shared with
-    other tensors), so a sender can broadcast it straight from its memory and a receiver can load
-    it by rows, without a copy; a tensor larger than `capacity` is split into chunks (whole rows
-    of dim 0 when one fits, else whole elements) that fill buckets. Only the tensor being cut is
-    referenced here: the next one is pulled after it is let go.
+    new one. A tensor of at least `alone` bytes (default: half the capacity; `alone_bytes`) has
+    buckets of its own (none shared with other tensors but zero-byte ones), so a sender can
+    broadcast it straight from its memory and a receiver can load it by rows, without a copy; a
+    tensor larger than `capacity` is split into chunks (whole rows of dim 0 when one fits, else
+    whole elements) that fill buckets. Only the tensor being cut is referenced here: the next one
+    is pulled after it is let go.
     """
     if capacity < ALIGN or capacity % ALIGN:
         raise ValueError(f"bucket capacity {capacity} must be a positive multiple of {ALIGN}")
+    alone_from = capacity // 2 if alone is None else alone
     used, nonempty = 0, False
     for name, tensor in named_tensors:
         dtype = dtype_name(tensor.dtype)
@@ -121,8 +136,8 @@ def cut(
         del tensor
         total = flat.numel() * flat.element_size()
         itemsize = flat.element_size()
-        alone = 2 * total >= capacity
-        if nonempty and (alone or align_up(used) + total > capacity):
+        solo = total >= alone_from
+        if nonempty and (solo or align_up(used) + total > capacity):
             yield None
             used, nonempty = 0, False
         unit = _row_bytes(shape, itemsize)  # chunks of an oversize tensor: whole rows if they fit
@@ -133,26 +148,26 @@ def cut(
             offset = align_up(used)
             if offset >= capacity or (start < total and capacity - offset < unit):
                 yield None
-                used, offset = 0, 0
+                used, offset, nonempty = 0, 0, False
             room = (capacity - offset) // unit * unit
             n = min(total - start, room)
             yield Slot(name, dtype, shape, offset, n, start), flat
-            used, nonempty = offset + n, True
+            used, nonempty = offset + n, nonempty or n > 0  # zero-byte slots share any bucket
             start += n
             if start >= total:
                 break
-        if alone:  # nothing shares its last bucket either
+        if solo:  # nothing shares its last bucket either
             used = capacity
         del flat
 
 
 def plan_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], capacity: int, alone: int | None = None
 ) -> Iterator[Bucket]:
     """Cut a stream of named tensors into buckets of at most `capacity` bytes, lazily (`cut`);
     each bucket keeps references to its source tensors until it is packed."""
     cur = Bucket()
-    for ev in cut(named_tensors, capacity):
+    for ev in cut(named_tensors, capacity, alone):
         if ev is None:
             yield cur
             cur = Bucket()

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 4
-"""Bumped on every incompatible change of these messages."""
+PROTOCOL_VERSION = 5
+"""Bumped on every incompatible change of these messages or of the checksums they carry
+(5: the CPU bucket checksum sums rows of 512 bytes)."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Upper bound of one control frame; larger frames are rejected before decoding."""

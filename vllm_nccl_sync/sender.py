@@ -44,6 +44,7 @@ from .integrity import checksum, checksum_gpu
 from .packing import (
     Bucket,
     StreamPacker,
+    alone_bytes,
     as_bytes,
     dtype_name,
     pack,
@@ -82,6 +83,18 @@ class PushError(RuntimeError):
         self.errors = errors or {}
         self.missing = missing or []
         """Ranks that said nothing in time (gone, or stuck)."""
+
+
+def as_push_error(e: BaseException, what: str, side: str) -> PushError:
+    """`e` as the `PushError` to raise for a failed update (`what`, e.g. "update 3 failed"):
+    itself if it is one; a data-plane peer that left, as `missing` that rank; else failed on
+    `side`."""
+    if isinstance(e, PushError):
+        return e
+    if isinstance(e, PeerFailed):
+        return PushError(f"{what}: rank {e.rank} left the data plane: {clip(str(e))}",
+                         missing=[e.rank])
+    return PushError(f"{what} on {side}: {clip(repr(e))}")
 
 
 class UpdateRefused(PushError):
@@ -316,11 +329,14 @@ class PushClient:
 
     def _wire(self, seq: int, bucket: Bucket, works: list[Handle | None]) -> torch.Tensor:
         """Bucket `seq`'s wire bytes: the tensor's own memory for a bucket of one tensor (or one
-        chunk), else packed into buffer seq%2 once the collective that last read it is done."""
+        chunk; zero-byte tensors beside it move nothing), else packed into buffer seq%2 once the
+        collective that last read it is done."""
         buf = self._free(seq, works)  # at most two collectives in flight
-        if len(bucket.slots) == 1 and bucket.sources[0].device == self.transport.device:
-            slot = bucket.slots[0]  # zero copy: the collective reads the tensor's own memory
-            return as_bytes(bucket.sources[0])[slot.start : slot.start + slot.nbytes]
+        moving = [(s, t) for s, t in zip(bucket.slots, bucket.sources) if s.nbytes]
+        if len(moving) == 1 and moving[0][0].offset == 0 \
+                and moving[0][1].device == self.transport.device:
+            slot, src = moving[0]  # zero copy: the collective reads the tensor's own memory
+            return as_bytes(src)[slot.start : slot.start + slot.nbytes]
         return pack(bucket, buf)
 
     def _opening(self, version: int, plan: Plan, last: int) -> None:
@@ -401,14 +417,17 @@ class PushClient:
             raise TypeError("an adapter update takes a mapping of its tensors, not a stream")
         specs: list[TensorSpec] = []
         packer = None
+        alone = alone_bytes(self.cfg.bucket_bytes, self.cfg.backend)
         if isinstance(named_tensors, Mapping):
             items = [(n, cast(t)) for n, t in _without_aliases(named_tensors)]
             specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
-            planned = _with_last(plan_buckets(items, self.cfg.bucket_bytes))
+            planned = _with_last(plan_buckets(items, self.cfg.bucket_bytes, alone))
             del items
         elif window > 1:  # holds the tensors of up to `window` announced buckets
-            planned = _with_last(plan_buckets(_each(named_tensors, cast), self.cfg.bucket_bytes))
-        else:  # each tensor is copied into a buffer as soon as it is pulled, and let go
+            planned = _with_last(plan_buckets(_each(named_tensors, cast), self.cfg.bucket_bytes,
+                                              alone))
+        else:  # each tensor is copied into a buffer as soon as it is pulled, and let go (so
+            # none is sent from its own memory: buckets stay full)
             packer = StreamPacker(_each(named_tensors, cast), self.cfg.bucket_bytes)
         gpu = self.transport.device.type == "cuda"
         pending: deque[tuple[BucketHeader, Callable[[], torch.Tensor]]] = deque()
@@ -525,13 +544,10 @@ class PushClient:
             if posted and (missing or not in_step or isinstance(e, PeerFailed) or self._lost):
                 # A collective may be pending that will never complete: give the group up.
                 self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
-            if isinstance(e, PushError):
+            err = as_push_error(e, f"update {version} failed at bucket {sent}", "the trainer")
+            if err is e:
                 raise
-            if isinstance(e, PeerFailed):
-                raise PushError(f"update {version} failed at bucket {sent}: rank {e.rank} left "
-                                f"the data plane: {clip(str(e))}", missing=[e.rank]) from e
-            raise PushError(f"update {version} failed at bucket {sent} on the trainer: "
-                            f"{clip(repr(e))}") from e
+            raise err from e
         seconds = time.perf_counter() - t0
         return PushResult(version, sent, nbytes, ntensors, seconds, list(acks.values()))
 

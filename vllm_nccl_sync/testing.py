@@ -289,7 +289,7 @@ def start_server(path: str, log_path: str, env: dict | None = None,
 
     `args` are appended to the command line (e.g. `--weight-transfer-config`).
     Output goes to `log_path`. Raises `RuntimeError` with the log's tail if the server exits or is
-    not healthy within `timeout_s`. The caller terminates the process.
+    not healthy within `timeout_s`. The caller ends it with `stop_server`.
     """
     import subprocess
     import sys
@@ -322,3 +322,15 @@ def start_server(path: str, log_path: str, env: dict | None = None,
                 with open(log_path) as f:
                     raise RuntimeError(f"vllm serve did not come up:\n{f.read()[-3000:]}") from None
             time.sleep(1)
+
+
+def stop_server(proc: Any, timeout_s: float = 30.0) -> None:
+    """End a `start_server` process: SIGTERM, a bounded wait, then SIGKILL."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)

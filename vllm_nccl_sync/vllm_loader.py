@@ -148,6 +148,10 @@ class VllmWeightLoader:
             raise ValueError(f"this engine cannot be updated in place: {why}")
         self._postload()  # refuses a model that cannot be updated in place, saying why
         self._fp8_blocks = _fp8_blocks(self.vllm_config)
+        if getattr(self.vllm_config, "lora_config", None) is not None:
+            from .patches.vllm_lora import base_loads_through_wrappers
+
+            base_loads_through_wrappers()  # base weights of a LoRA engine (vLLM 0.26)
 
     def _repacker(self) -> Any:
         if self._cpu is None:

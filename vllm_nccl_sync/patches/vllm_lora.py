@@ -108,6 +108,16 @@ def expected_modules(wm: Any) -> set[str]:
     return out
 
 
+def _rename_mapper(mapper: Any) -> Any:
+    """The mapper `_load_adapter` hands `from_lora_tensors`: the model's `hf_to_vllm_mapper`
+    without its QKV/MLP fusion maps, so that vLLM packs `q_proj` & co itself (0.32:
+    `get_rename_mapper`, 0.26: `get_unstacked_mapper`)."""
+    for derive in ("get_rename_mapper", "get_unstacked_mapper"):
+        if mapper is not None and hasattr(mapper, derive):
+            return getattr(mapper, derive)()
+    return mapper
+
+
 def build(wm: Any, lora_id: int, tensors: dict[str, torch.Tensor], helper: Any) -> Any:
     """A `LoRAModel` from PEFT-named CPU tensors, merged (packed and scaled) the way
     `add_adapter` merges it, but registered nowhere."""
@@ -118,7 +128,7 @@ def build(wm: Any, lora_id: int, tensors: dict[str, torch.Tensor], helper: Any) 
     kwargs = {
         "lora_model_id": lora_id, "tensors": tensors, "peft_helper": helper, "device": "cpu",
         "dtype": wm.lora_config.lora_dtype, "model_vocab_size": wm.vocab_size,
-        "weights_mapper": None if mapper is None else mapper.get_rename_mapper(),
+        "weights_mapper": _rename_mapper(mapper),
         "skip_prefixes": getattr(model, "lora_skip_prefixes", None),
     }
     accepted = inspect.signature(cls.from_lora_tensors).parameters
@@ -233,6 +243,34 @@ def restore(wm: Any, lora_id: int, old: Any, slot: int | None) -> None:
         am.add_adapter(old)
         if slot is not None:
             am.activate_adapter(lora_id)
+
+
+def base_loads_through_wrappers() -> None:
+    """Let `model.load_weights` of a LoRA engine reach the wrapped layers' own weights.
+
+    vLLM 0.32's `BaseLayerWithLoRA.load_weights` (`vllm/lora/layers/base.py`) hands checkpoint
+    weights for a LoRA-wrapped layer to its `base_layer`; vLLM 0.26 has no such method, so its
+    `AutoWeightsLoader` stops at the wrapper ("no module or parameter named
+    '...qkv_proj.weight'") and a base-weight update of an engine started with LoRA fails there
+    (the failure is reported; seen on an H200 with 0.26). Where the class lacks it, this gives it
+    the same delegation; elsewhere it does nothing."""
+    try:
+        from vllm.lora.layers.base import BaseLayerWithLoRA
+    except ImportError:  # another layout: leave vLLM as it is
+        return
+    if "load_weights" in vars(BaseLayerWithLoRA):
+        return
+    check_version()
+
+    def load_weights(self: Any, weights: Any) -> Any:
+        own = getattr(self.base_layer, "load_weights", None)
+        if callable(own):
+            return own(weights)
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return AutoWeightsLoader(self.base_layer).load_weights(weights)
+
+    BaseLayerWithLoRA.load_weights = load_weights
 
 
 def serve_from_memory(wm: Any, lookup: Callable[[str, int], Any]) -> None:
