@@ -1,4 +1,5 @@
-"""Run functions in separate processes with a hard deadline: a test never hangs CI."""
+"""Run functions in separate processes with a hard deadline, and wait for observed states with
+one: a test never hangs CI."""
 
 from __future__ import annotations
 
@@ -81,3 +82,15 @@ def record_broadcasts() -> list[int]:
 
     Transport.broadcast = spy
     return sizes
+
+
+def wait_until(ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+    """Poll `ready()` until true; fail with `what` after `timeout_s` (a generous deadline, never
+    a guess at how fast something runs)."""
+    import pytest
+
+    end = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > end:
+            pytest.fail(f"{what}: not observed within {timeout_s:.0f} s")
+        time.sleep(0.05)

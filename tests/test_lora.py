@@ -15,7 +15,6 @@ import copy
 import math
 import subprocess
 import threading
-import time
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import torch
 from vllm_nccl_sync.engines import HTTPHandle, LLMHandle
 from vllm_nccl_sync.sender import PushError
 from vllm_nccl_sync.sync import WeightSync
+from tests.procs import wait_until
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 pytestmark = pytest.mark.vllm
@@ -293,8 +293,8 @@ def test_served_adapter_swapped_with_requests_in_flight(tmp_path):
 
         with ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(keep_asking, i) for i in range(4)]
-            _wait_until(lambda: any(f.done() for f in futs) or _server_busy(url),
-                        "requests running on the server")
+            wait_until(lambda: any(f.done() for f in futs) or _server_busy(url),
+                       "requests running on the server", DEADLINE_S)
             sync.update_adapter(a2, version=2, name="A", lora_id=7, pause_mode="wait")
             done.set()
             counts = [f.result(DEADLINE_S) for f in futs]  # raises if any request failed
@@ -321,13 +321,6 @@ def _server_busy(url: str) -> bool:
                 return True
     return False
 
-
-def _wait_until(ready, what: str, timeout_s: float = DEADLINE_S) -> None:
-    end = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > end:
-            pytest.fail(f"{what}: not observed within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 def test_bench_lora_smoke():

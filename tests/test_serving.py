@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import urllib.request
 from concurrent.futures import Future
 
 import pytest
 
+from tests.procs import wait_until
 from vllm_nccl_sync.engines import AsyncLLMHandle, HTTPHandle
 from vllm_nccl_sync.sync import WeightSync
 from vllm_nccl_sync.testing import (
@@ -40,14 +40,6 @@ DEADLINE_S = 120.0  # bound on waiting for an observed state; never a guess at h
 # "abort" with fewer. Where a request *must* be held by the engine at the pause (abort), the test
 # freezes the engine first and adds one while it is frozen (see the abort case below).
 
-
-def _wait_until(ready, what: str, timeout_s: float = DEADLINE_S) -> None:
-    """Poll `ready()` until true; fail with `what` after `timeout_s` (a generous deadline)."""
-    end = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > end:
-            pytest.fail(f"{what}: not observed within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 def _all_started(started: list[threading.Event], futs: list[Future]) -> bool:
@@ -137,8 +129,8 @@ def test_async_llm_update_while_serving(async_engine, mode, version):
     started = [threading.Event() for _ in PROMPTS]
     inflight = [_submit(engine, loop, p, LONG, f"{mode}-long-{i}", e)
                 for i, (p, e) in enumerate(zip(PROMPTS, started))]
-    _wait_until(lambda: _all_started(started, inflight),
-                "every in-flight request streaming a token")
+    wait_until(lambda: _all_started(started, inflight),
+               "every in-flight request streaming a token", DEADLINE_S)
     held = None
     if mode == "abort":
         # For `abort` to be exercised, the engine must hold a request when the update pauses it;
@@ -149,7 +141,7 @@ def test_async_llm_update_while_serving(async_engine, mode, version):
         _on_loop(loop, engine.pause_generation(mode="keep", clear_cache=False))
         try:
             added, held = _submit_added(engine, loop, PROMPTS[0], LONG, "abort-held")
-            _wait_until(added.is_set, "the held request reaching the frozen engine")
+            wait_until(added.is_set, "the held request reaching the frozen engine", DEADLINE_S)
         except BaseException:
             _on_loop(loop, engine.resume_generation())
             raise
@@ -283,8 +275,8 @@ def test_served_update_with_requests_in_flight(server, mode, version):
         # In flight = the server has streamed each request a token (observed, not slept on).
         # Whether each is still running when the update pauses the server or has just finished,
         # `wait` and `keep` must return it whole: the assertions below hold either way.
-        _wait_until(lambda: _all_started(started, inflight),
-                    "every in-flight request streaming a token")
+        wait_until(lambda: _all_started(started, inflight),
+                   "every in-flight request streaming a token", DEADLINE_S)
         model = build_model("qwen2", seed=version)
         result = sync.update(model.state_dict(), version=version, pause_mode=mode)
         finished = [f.result(240) for f in inflight]  # raises if any request failed
