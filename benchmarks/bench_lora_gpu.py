@@ -124,7 +124,7 @@ def trainer(conn, gpu: str, smoke: bool) -> None:
     import torch
 
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.protocol import AdapterSpec
+    from vllm_nccl_sync.wire.protocol import AdapterSpec
 
     d = SMOKE_DIMS if smoke else DIMS
     device = "cpu" if on_cpu else "cuda:0"
@@ -218,8 +218,8 @@ def driver(args) -> dict:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from vllm_nccl_sync.lora import lora_request
-    from vllm_nccl_sync.sync import free_port
+    from vllm_nccl_sync.glue.lora import lora_request
+    from vllm_nccl_sync.trainer.sync import free_port
 
     d = SMOKE_DIMS if args.cpu_smoke else DIMS
     ranks = args.ranks

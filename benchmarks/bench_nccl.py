@@ -193,9 +193,9 @@ def worker(role: int, args: dict, ports: dict) -> dict:
     import zmq
 
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.loaders import ModuleLoader
-    from vllm_nccl_sync.packing import Reassembler, as_bytes, pack, plan_buckets
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.wire.packing import Reassembler, as_bytes, pack, plan_buckets
 
     gpu = args["backend"] == "nccl"
     if gpu:

@@ -324,11 +324,11 @@ def start_engine(args: Any, path: str, loop: Any) -> Any:
 def run(args: Any) -> dict:
     import tempfile
 
+    import bench_vllm_gpu as bvg
     import torch
 
-    import bench_vllm_gpu as bvg
-    from vllm_nccl_sync.engines import AsyncLLMHandle
-    from vllm_nccl_sync.sync import WeightSync
+    from vllm_nccl_sync.glue.engines import AsyncLLMHandle
+    from vllm_nccl_sync.trainer.sync import WeightSync
 
     if args.cpu_smoke:
         bvg.DIMS.update(SMOKE_DIMS)

@@ -74,7 +74,7 @@ SMOKE_DIMS = dict(hidden=64, inter=160, heads=4, kv_heads=2, vocab=1000)  # `--c
 _CH = 1 << 24
 
 try:  # the engine imports this module as its worker extension
-    from vllm_nccl_sync.ext import Ext
+    from vllm_nccl_sync.glue.ext import Ext
 except ImportError:  # pragma: no cover
     Ext = object
 
@@ -280,7 +280,7 @@ def api_trainer(sock, tensors: dict, bucket: int, gpu: bool):
     """This project's trainer engine through vLLM's `WeightTransferTrainerFactory` only."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.weight_transfer import BACKEND, SURFACE, NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.glue.weight_transfer import BACKEND, SURFACE, NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(world_size=2, rank=0, bucket_bytes=bucket, timeout_s=120.0,
                                    transport="nccl" if gpu else "gloo")
@@ -406,7 +406,7 @@ class Driver:
         return self.torch.cuda.memory_allocated()
 
     def join_ours(self, bucket: int) -> None:
-        from vllm_nccl_sync.sync import free_port
+        from vllm_nccl_sync.trainer.sync import free_port
 
         cfg = dict(backend="nccl" if self.gpu else "gloo", control_port=free_port(), group_port=free_port(),
                    world_size=2, bucket_bytes=bucket, timeout_s=120.0)
@@ -418,7 +418,7 @@ class Driver:
         self.persistent[f"ours@{bucket}"] = self.allocated() - before
 
     def join_vllm(self) -> None:
-        from vllm_nccl_sync.sync import free_port
+        from vllm_nccl_sync.trainer.sync import free_port
 
         init = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
         before = self.allocated()
@@ -430,7 +430,7 @@ class Driver:
     def serve(self, last: str, timeout_s: float = 300.0) -> None:
         """Make the trainer's vLLM API calls (`RemoteClient`) on this engine's `LLM` until the
         call `last` was made; a failure on the trainer's side raises here."""
-        from vllm_nccl_sync.weight_transfer import OfflineClient
+        from vllm_nccl_sync.glue.weight_transfer import OfflineClient
 
         client = OfflineClient(self.llm)
         while True:
@@ -684,7 +684,7 @@ def driver(args) -> dict:
             drv.llm = None
             stop_engine(llm)
             del llm
-            import vllm_nccl_sync.weight_transfer  # noqa: F401 - registers `nccl_sync` here
+            import vllm_nccl_sync.glue.weight_transfer  # noqa: F401 - registers `nccl_sync` here
             m = ("ours_vllm_api", bucket)
             try:
                 t0 = time.perf_counter()

@@ -153,7 +153,7 @@ def _dying_stream(tensors: dict, kill_after_bytes: int, conn: Connection) -> Ite
 
 def _kill_at_broadcast(n: int, conn: Connection) -> None:
     """Make this process SIGKILL itself right after posting its `n`-th broadcast from now."""
-    from vllm_nccl_sync.transport import Transport
+    from vllm_nccl_sync.planes.base import Transport
 
     real, calls = Transport.broadcast, [0]
 
@@ -423,7 +423,7 @@ class Run:
 
     def cfg(self) -> dict:
         """A fresh SyncConfig (as a dict) with ports no other scenario got."""
-        from vllm_nccl_sync.sync import free_port
+        from vllm_nccl_sync.trainer.sync import free_port
 
         with self.lock:
             ports = []

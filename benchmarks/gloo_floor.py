@@ -42,7 +42,7 @@ def _role(rank: int, port: int, size: int, chunk: int, reps: int, q: mp.Queue) -
     import torch
     import torch.distributed as dist
 
-    from vllm_nccl_sync.integrity import checksum
+    from vllm_nccl_sync.wire.integrity import checksum
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
@@ -105,7 +105,7 @@ def _role(rank: int, port: int, size: int, chunk: int, reps: int, q: mp.Queue) -
 
 def run(size_mib: float, chunk_mib: float, reps: int, deadline_s: float = 600.0) -> dict:
     """Both roles in spawned processes; the medians, minima and ratios to raw."""
-    from vllm_nccl_sync.sync import free_port
+    from vllm_nccl_sync.trainer.sync import free_port
 
     size, chunk = int(size_mib * MiB), int(chunk_mib * MiB)
     ctx = mp.get_context("spawn")

@@ -40,9 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_nccl_sync.engines import HTTPHandle  # noqa: E402
-from vllm_nccl_sync.sync import WeightSync  # noqa: E402
+from vllm_nccl_sync.glue.engines import HTTPHandle  # noqa: E402
 from vllm_nccl_sync.testing import build_model, save_model, start_server  # noqa: E402
+from vllm_nccl_sync.trainer.sync import WeightSync  # noqa: E402
 
 PROMPTS = [[312, 174, 209, 159, 143, 399], [171, 138, 120, 237, 330, 490],
            [321, 403, 465, 465, 153, 188], [315, 487, 94, 42, 325, 118]]
@@ -153,7 +153,7 @@ class VllmApiPusher:
             WeightTransferTrainerFactory,
         )
 
-        from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
+        from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
 
         self.url, self.handle, self.mode = url, HTTPHandle(url), mode
         with urllib.request.urlopen(url + "/get_world_size", timeout=30) as r:

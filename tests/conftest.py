@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from vllm_nccl_sync.sync import free_port  # noqa: E402,F401  (re-exported for the tests)
+from vllm_nccl_sync.trainer.sync import free_port  # noqa: E402,F401  (re-exported for the tests)
 
 
 def pytest_collection_modifyitems(config, items):

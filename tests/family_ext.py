@@ -99,8 +99,8 @@ class FamilyExt(LoaderExt):
 
     def nccl_test_plan_problems(self, specs: list[list[Any]]) -> list[str]:
         """What the engine's plan check says about `[[name, dtype, shape], ...]`."""
-        from vllm_nccl_sync.protocol import TensorSpec
-        from vllm_nccl_sync.worker_glue import reference
+        from vllm_nccl_sync.glue.worker import reference
+        from vllm_nccl_sync.wire.protocol import TensorSpec
 
         ref = reference(self.vllm_config)
         return ref.problems([TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs])

@@ -25,7 +25,7 @@ class LoaderExt:
         import torch
         from safetensors.torch import load_file
 
-        from vllm_nccl_sync.vllm_loader import VllmWeightLoader
+        from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
 
         tensors: dict[str, torch.Tensor] = {}
         for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
@@ -67,6 +67,6 @@ class LoaderExt:
 
     def nccl_test_ptrs(self) -> dict[str, int]:
         """data_ptr of every non-empty parameter and buffer of the model."""
-        from vllm_nccl_sync.vllm_loader import param_pointers
+        from vllm_nccl_sync.glue.vllm_loader import param_pointers
 
         return param_pointers(self.model_runner.model)

@@ -71,7 +71,7 @@ def run_procs(calls: list[tuple[Callable, tuple]], deadline_s: float,
 def record_broadcasts() -> list[int]:
     """Make every broadcast of this process record the byte count it announces (the list it
     returns; a gloo receiver posts its whole buffer but announces the header's length)."""
-    from vllm_nccl_sync.transport import Transport
+    from vllm_nccl_sync.planes.base import Transport
 
     sizes: list[int] = []
     orig = Transport.broadcast

@@ -12,11 +12,11 @@ import time
 import pytest
 import zmq
 
-import vllm_nccl_sync.channel as channel
-from vllm_nccl_sync.channel import ReceiverChannel, SenderChannel, clip
-from vllm_nccl_sync.protocol import PROTOCOL_VERSION as P
-from vllm_nccl_sync.protocol import Abort, Error, Go, Hello, encode
-from vllm_nccl_sync.sync import free_port
+import vllm_nccl_sync.wire.channel as channel
+from vllm_nccl_sync.trainer.sync import free_port
+from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel, clip
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
+from vllm_nccl_sync.wire.protocol import Abort, Error, Go, Hello, encode
 
 SECRET = bytes.fromhex("5ec7e7" * 8)
 

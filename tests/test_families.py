@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from vllm_nccl_sync.handshake import read_safetensors_index
+from vllm_nccl_sync.engine.handshake import read_safetensors_index
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, save_model
 
 MAX_TOKENS = 8
@@ -237,8 +237,8 @@ def _vlm_mapping(name: str) -> str | None:
 def test_plan_check_goes_through_the_models_name_mapping():
     """Every spelling the loader maps to a checkpoint tensor passes; a name it drops, or maps to
     nothing the checkpoint has, is refused with the reason; shapes still count."""
-    from vllm_nccl_sync.handshake import Reference
-    from vllm_nccl_sync.protocol import TensorSpec
+    from vllm_nccl_sync.engine.handshake import Reference
+    from vllm_nccl_sync.wire.protocol import TensorSpec
 
     ref = Reference({"model.layers.0.mlp.down_proj.weight": ("float32", [8, 4]),
                      "model.embed_tokens.weight": ("float32", [16, 8])},
@@ -258,7 +258,7 @@ def test_plan_check_goes_through_the_models_name_mapping():
 def test_hub_cache_model_id_is_read_like_a_directory(tmp_path, monkeypatch):
     """A model id whose snapshot is in the local hub cache gives the same reference as the
     directory; an id not in the cache gives none (and never downloads)."""
-    from vllm_nccl_sync.handshake import checkpoint_reference
+    from vllm_nccl_sync.engine.handshake import checkpoint_reference
 
     src = save_model(build_model("qwen3", 1), str(tmp_path / "src"))
     cache = tmp_path / "hub"
@@ -285,9 +285,9 @@ def test_fp8_checkpoints_take_what_the_engine_can_load():
     An FP8 weight with a per-tensor scale refuses bf16, saying what to send instead."""
     import torch
 
-    from vllm_nccl_sync.handshake import Reference
+    from vllm_nccl_sync.engine.handshake import Reference
     from vllm_nccl_sync.patches.vllm_block_fp8 import expand, quantize
-    from vllm_nccl_sync.protocol import TensorSpec
+    from vllm_nccl_sync.wire.protocol import TensorSpec
 
     w = "model.layers.0.mlp.down_proj.weight"
     ref = Reference({w: ("float8_e4m3fn", [128, 256]), w + "_scale_inv": ("float32", [1, 2]),

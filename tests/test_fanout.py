@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_nccl_sync.engines import LLMHandle
-from vllm_nccl_sync.sync import WeightSync
+from vllm_nccl_sync.glue.engines import LLMHandle
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.trainer.sync import WeightSync
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8

@@ -42,7 +42,7 @@ def trainer(cfg: dict, spec: dict, conn) -> None:
     elif fault == "missing":
         sd = {k: v for k, v in sd.items() if "layers.1." not in k}
     elif fault == "corrupt":
-        import vllm_nccl_sync.sender as sender_mod
+        import vllm_nccl_sync.trainer.push as sender_mod
 
         real = sender_mod.checksum
         sender_mod.checksum = lambda data: real(data) ^ 2  # what the receiver sees differs
@@ -60,7 +60,7 @@ def _stream(sd: dict, fault: str | None):
     """The state dict as a generator; with `die`, the trainer is SIGKILLed once its third
     bucket's broadcast completed (so buckets did land, whatever the machine's speed)."""
     if fault == "die":
-        from vllm_nccl_sync.transport import Transport
+        from vllm_nccl_sync.planes.base import Transport
 
         real, calls = Transport.broadcast, []
 
@@ -79,9 +79,9 @@ def _stream(sd: dict, fault: str | None):
 def dying_receiver(cfg: dict, rank: int) -> None:
     """A second engine's worker that dies (SIGKILL) as its second bucket starts."""
     from vllm_nccl_sync import SyncConfig
-    from vllm_nccl_sync.loaders import ModuleLoader
-    from vllm_nccl_sync.receiver import Receiver
-    from vllm_nccl_sync.transport import Transport
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.planes.base import Transport
 
     loader = ModuleLoader(build_model("qwen2", 1))
     real, calls = Transport.broadcast, []

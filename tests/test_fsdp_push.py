@@ -111,7 +111,7 @@ def fsdp_trainer(rank: int, fsdp_port: int, cfg: dict, arch: str, ready) -> dict
     from torch.distributed.tensor import DTensor
 
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.sources import full_tensors
+    from vllm_nccl_sync.trainer.sources import full_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank,
@@ -133,7 +133,7 @@ def fsdp_trainer(rank: int, fsdp_port: int, cfg: dict, arch: str, ready) -> dict
         else:
             from vllm.distributed.weight_transfer import WeightSource
 
-            from vllm_nccl_sync.sources import FSDPWeightSource
+            from vllm_nccl_sync.trainer.sources import FSDPWeightSource
 
             ref = build_model(arch, SEED_PUSH).state_dict()
             source = FSDPWeightSource(model)

@@ -34,12 +34,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import vllm_nccl_sync.receiver as receiver_mod
+import vllm_nccl_sync.engine.receiver as receiver_mod
 from tests.conftest import free_port
-from vllm_nccl_sync.channel import _META, _TO_RECEIVER, FRAMING, SenderChannel, _mac
-from vllm_nccl_sync.config import SyncConfig
-from vllm_nccl_sync.integrity import checksum
-from vllm_nccl_sync.packing import (
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.wire.channel import _META, _TO_RECEIVER, FRAMING, SenderChannel, _mac
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.integrity import checksum
+from vllm_nccl_sync.wire.packing import (
     ALIGN,
     DTYPES,
     Reassembler,
@@ -50,7 +51,7 @@ from vllm_nccl_sync.packing import (
     tensor_nbytes,
     validate_header,
 )
-from vllm_nccl_sync.protocol import (
+from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,
     BucketHeader,
@@ -68,7 +69,6 @@ from vllm_nccl_sync.protocol import (
     decode,
     encode,
 )
-from vllm_nccl_sync.transport import Transport
 
 P = PROTOCOL_VERSION
 COUNTS: Counter[str] = Counter()
@@ -477,7 +477,7 @@ def test_validate_header_rejects_or_is_safe(base, mutations, data):
 def test_multi_sender_plan_is_valid(tensors, capacity, balance):
     """Several senders: whatever the offers, every header of the plan passes the receivers'
     check, names the sender that owns each of its tensors, and every tensor is sent whole."""
-    from vllm_nccl_sync.owners import plan_headers, plan_owners
+    from vllm_nccl_sync.trainer.owners import plan_headers, plan_owners
 
     COUNTS["plan"] += 1
     specs = [TensorSpec(f"t{i}", d, shape) for i, (d, shape, _) in enumerate(tensors)]

@@ -10,8 +10,8 @@ import torch
 from tests.conftest import free_port
 from tests.procs import record_broadcasts, run_procs
 from vllm_nccl_sync import PushClient, SyncConfig
-from vllm_nccl_sync.packing import ALIGN
-from vllm_nccl_sync.receiver import Receiver
+from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.wire.packing import ALIGN
 
 pytestmark = pytest.mark.multiproc
 DEADLINE = 120
@@ -116,7 +116,7 @@ def test_two_receivers_get_bit_identical_tensors_and_exact_bytes():
 
 def test_exact_length_would_catch_a_full_buffer_sender():
     """The check above is not vacuous: a sender broadcasting whole buffers breaks it."""
-    import vllm_nccl_sync.sender as sender_mod
+    import vllm_nccl_sync.trainer.push as sender_mod
 
     buf = torch.zeros(1024, dtype=torch.uint8)
     b = next(sender_mod.plan_buckets([("x", torch.ones(10))], 1024))
@@ -128,7 +128,7 @@ def test_exact_length_would_catch_a_full_buffer_sender():
 def _spy_control(client: PushClient) -> list[tuple]:
     """Record, in order, what the trainer sends (message kind and seq), receives (Ready) and
     broadcasts (bytes), from inside its process."""
-    from vllm_nccl_sync.protocol import BucketHeader, Go, Plan, Ready
+    from vllm_nccl_sync.wire.protocol import BucketHeader, Go, Plan, Ready
 
     log: list[tuple] = []
     send_all, recv, broadcast = (client.channel.send_all, client.channel.recv,
@@ -237,7 +237,7 @@ def failing_receiver_proc(cfg: dict, rank: int, fail_at: int) -> dict:
 
 
 def failing_update_sender_proc(cfg: dict) -> dict:
-    from vllm_nccl_sync.sender import PushError
+    from vllm_nccl_sync.trainer.push import PushError
 
     sizes = record_broadcasts()
     client = PushClient(SyncConfig(**cfg))
@@ -290,7 +290,7 @@ def row_receiver_proc(cfg: dict, rows: bool) -> dict:
     """Receives one update into a module (`ModuleLoader`, which loads rows in place) or, with
     `rows=False`, into a loader that cannot take rows; records every `torch.empty` made during
     the update (the only way the receive path allocates: staging a tensor to reassemble it)."""
-    from vllm_nccl_sync.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
 
     module = torch.nn.Module()
     for n, t in model_tensors(seed=0).items():

@@ -25,9 +25,9 @@ import torch
 from tests.conftest import free_port
 from tests.procs import run_procs
 from vllm_nccl_sync import PushClient, SyncConfig
-from vllm_nccl_sync.loaders import ModuleLoader
-from vllm_nccl_sync.packing import ALIGN
-from vllm_nccl_sync.receiver import Receiver
+from vllm_nccl_sync.engine.loaders import ModuleLoader
+from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.wire.packing import ALIGN
 
 
 def _gpus() -> int:
@@ -322,7 +322,7 @@ def dying_trainer_proc(cfg: dict, kill_at: int) -> None:
     """Pushes, and is SIGKILLed right after posting its `kill_at`-th collective."""
     import signal
 
-    from vllm_nccl_sync.transport import Transport
+    from vllm_nccl_sync.planes.base import Transport
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)

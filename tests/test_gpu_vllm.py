@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nccl_sync.ext import Ext
+from vllm_nccl_sync.glue.ext import Ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 8
@@ -75,7 +75,7 @@ class ProbeExt(Ext):
 
     def nccl_test_loader_mode(self, mode: str) -> None:
         """Swap the joined receiver's loader for a `VllmWeightLoader(mode=...)`."""
-        from vllm_nccl_sync.vllm_loader import VllmWeightLoader
+        from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
 
         receiver, _ = self._nccl_sync
         self._nccl_sync = (receiver, VllmWeightLoader(self, mode=mode))
@@ -126,8 +126,8 @@ def trainer_main(spec: dict) -> dict:
     import torch
 
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.sender import PushError
     from vllm_nccl_sync.testing import PROMPTS, build_model, hf_greedy
+    from vllm_nccl_sync.trainer.push import PushError
 
     end = time.monotonic() + DEADLINE_S
     while not os.path.exists(spec["ready_file"]):

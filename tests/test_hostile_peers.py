@@ -34,11 +34,12 @@ import torch
 
 from tests.conftest import free_port
 from tests.procs import run_procs
-from vllm_nccl_sync.channel import MAX_WIRE_BYTES, SenderChannel
-from vllm_nccl_sync.config import SyncConfig
-from vllm_nccl_sync.integrity import checksum
-from vllm_nccl_sync.packing import pack, plan_buckets
-from vllm_nccl_sync.protocol import (
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.wire.channel import MAX_WIRE_BYTES, SenderChannel
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.integrity import checksum
+from vllm_nccl_sync.wire.packing import pack, plan_buckets
+from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -52,7 +53,6 @@ from vllm_nccl_sync.protocol import (
     Ready,
     Seal,
 )
-from vllm_nccl_sync.transport import Transport
 
 P = PROTOCOL_VERSION
 SECRET = "0123456789abcdef" * 4
@@ -91,8 +91,8 @@ def receiver_proc(cfg: dict, rank: int, shapes: dict, updates: int, done=None,
                   require_checksums: bool = True) -> list[dict]:
     """A receiver loading into a torch module that starts with `weights(0)`; per update: its
     summary, how long `receive()` took, the loader's calls, the module's digests, its state."""
-    from vllm_nccl_sync.loaders import ModuleLoader
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
 
     model = torch.nn.Module()
     for n, t in weights(0, shapes).items():
@@ -356,7 +356,7 @@ def push_proc(cfg: dict, shapes: dict, staged: bool, done: list) -> dict:
     """The real trainer: one push; reports how it failed. Keeps its sockets open until the live
     receivers are done (closing at once could drop a queued Abort: LINGER is 0)."""
     from vllm_nccl_sync import PushClient
-    from vllm_nccl_sync.sender import PushError
+    from vllm_nccl_sync.trainer.push import PushError
 
     client = PushClient(SyncConfig(**cfg))
     client.connect()
@@ -378,8 +378,8 @@ def push_proc(cfg: dict, shapes: dict, staged: bool, done: list) -> dict:
 def dying_receiver(cfg: dict, rank: int, where: str) -> None:
     """A receiver that SIGKILLs itself as it posts its second broadcast (`where="broadcast"`) or
     as it checks the sender's Seal, every collective done (`where="seal"`)."""
-    from vllm_nccl_sync.loaders import ModuleLoader
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
 
     def die(*a, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -490,9 +490,9 @@ def tp2(tmp_path_factory):
     `WeightSync`."""
     from vllm import LLM
 
-    from vllm_nccl_sync.engines import LLMHandle
-    from vllm_nccl_sync.sync import WeightSync
+    from vllm_nccl_sync.glue.engines import LLMHandle
     from vllm_nccl_sync.testing import engine_kwargs, make_model
+    from vllm_nccl_sync.trainer.sync import WeightSync
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -512,8 +512,8 @@ def tp2(tmp_path_factory):
 def _update(sync, version: int, *, staged: bool = False):
     """`sync.update(weights of seed `version`)`; staged through the same steps by hand where
     `WeightSync.update` has no `staged` parameter."""
-    from vllm_nccl_sync.sender import PushError
     from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.trainer.push import PushError
 
     sd = build_model("qwen2", version).state_dict()
     if not staged:
@@ -560,8 +560,8 @@ def _good(llm, sync, version: int, *, staged: bool = False) -> list[list[int]]:
 
 
 def _fails(llm, sync, version: int, where: str, *, staged: bool) -> str:
-    from vllm_nccl_sync.sender import PushError
     from tests.fault_ext import INJECTED
+    from vllm_nccl_sync.trainer.push import PushError
 
     _arm(llm, where)
     with pytest.raises(PushError) as e:

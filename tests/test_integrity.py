@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nccl_sync.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
 
 N = 3 * 4096 + 8 * 5 + 3  # whole 512-byte rows, a tail of words, and loose bytes
 

@@ -12,8 +12,8 @@ import torch
 
 from tests.conftest import free_port
 from tests.procs import run_procs
-from vllm_nccl_sync import metrics
-from vllm_nccl_sync.sender import PushResult
+from vllm_nccl_sync.engine import metrics
+from vllm_nccl_sync.trainer.push import PushResult
 
 
 class ListHandler(logging.Handler):
@@ -96,7 +96,7 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def sender(cfg: dict) -> list:
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.sender import PushError
+    from vllm_nccl_sync.trainer.push import PushError
 
     client = PushClient(SyncConfig(**cfg))
     client.connect()
@@ -111,8 +111,8 @@ def sender(cfg: dict) -> list:
 
 def receiver(cfg: dict) -> dict:
     from vllm_nccl_sync import SyncConfig
-    from vllm_nccl_sync.loaders import ModuleLoader
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
 
     lines = io.StringIO()
     h = logging.StreamHandler(lines)

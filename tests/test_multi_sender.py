@@ -19,9 +19,9 @@ from tests.conftest import free_port
 from tests.procs import record_broadcasts, run_procs
 from tests.test_gloo_multiproc import DigestLoader, digest, receiver_proc
 from vllm_nccl_sync import PushClient, SyncConfig
-from vllm_nccl_sync.owners import OwnershipError, plan_headers, plan_owners
-from vllm_nccl_sync.protocol import PROTOCOL_VERSION, TensorSpec
-from vllm_nccl_sync.receiver import Receiver
+from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, TensorSpec
 
 pytestmark = pytest.mark.multiproc
 DEADLINE = 120
@@ -161,7 +161,7 @@ def test_two_senders_two_receivers_bit_identical_exact_bytes_half_each():
 def killed_sender_proc(cfg: dict, rank: int = 1) -> None:
     """Sender `rank`: update 1 as usual; in update 2 it kills itself once its first broadcast
     has completed (observed through the handle, not timed)."""
-    from vllm_nccl_sync.transport import Transport
+    from vllm_nccl_sync.planes.base import Transport
 
     client = PushClient(SyncConfig(**cfg), rank=rank)
     client.connect()

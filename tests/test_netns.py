@@ -86,7 +86,7 @@ def model_tensors(seed: int, payload_mb: int = PAYLOAD_MB):
     """Deterministic, position-dependent bytes (any misplaced or stale word changes a digest)."""
     import torch
 
-    from vllm_nccl_sync.packing import DTYPES
+    from vllm_nccl_sync.wire.packing import DTYPES
 
     out = {}
     base = seed << 40
@@ -194,8 +194,8 @@ def role_receiver(a: dict) -> dict:
     import torch
 
     from vllm_nccl_sync import SyncConfig
-    from vllm_nccl_sync.packing import DTYPES
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.wire.packing import DTYPES
 
     sizes = record_broadcasts()
     rx = Receiver(SyncConfig(**a["cfg"]), 1)
@@ -225,7 +225,7 @@ def role_receiver(a: dict) -> dict:
 def role_lonely_receiver(a: dict) -> dict:
     """A receiver whose trainer is not there: must fail, naming the address, within its timeout."""
     from vllm_nccl_sync import SyncConfig
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.receiver import Receiver
 
     cfg = SyncConfig(**a["cfg"])
     t = time.monotonic()
@@ -276,7 +276,7 @@ def role_cut_trainer(a: dict) -> dict:
 def role_cut_receiver(a: dict) -> dict:
     """Takes its own link down once the first bucket has arrived."""
     from vllm_nccl_sync import SyncConfig
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.receiver import Receiver
 
     rx = Receiver(SyncConfig(**a["cfg"]), 1)
     cut: list[float] = []
@@ -309,7 +309,7 @@ def role_ms_sender(a: dict) -> dict:
 
 def role_ms_receiver(a: dict) -> dict:
     from vllm_nccl_sync import SyncConfig
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.receiver import Receiver
 
     rx = Receiver(SyncConfig(**a["cfg"]), a["rank"])
     loader = DigestLoader()
@@ -462,7 +462,7 @@ def _ports(k: int) -> list[int]:
 
 
 def test_push_across_namespaces_bit_identical_exact_bytes(netns, tmp_path):
-    from vllm_nccl_sync.packing import ALIGN, plan_buckets
+    from vllm_nccl_sync.wire.packing import ALIGN, plan_buckets
 
     cport, gport = _ports(2)
     cfg = dict(host=TRAINER_IP, control_port=cport, group_port=gport, world_size=2,

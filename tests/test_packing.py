@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vllm_nccl_sync.packing import ALIGN, Reassembler, pack, plan_buckets, validate_header
-from vllm_nccl_sync.protocol import PROTOCOL_VERSION
+from vllm_nccl_sync.wire.packing import ALIGN, Reassembler, pack, plan_buckets, validate_header
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION
 
 
 def mixed_tensors(seed=0):
@@ -113,7 +113,7 @@ def test_stream_packer_matches_the_plan_and_holds_one_tensor():
     import gc
     import weakref
 
-    from vllm_nccl_sync.packing import StreamPacker
+    from vllm_nccl_sync.wire.packing import StreamPacker
 
     g = torch.Generator().manual_seed(3)
     shapes = [(7,), (300,), (5, 40), (0,), (1000,), (3,), (64, 64), (2,)]
@@ -197,7 +197,7 @@ def test_oversize_tensors_are_cut_on_whole_rows_and_loaded_by_rows():
 def test_alone_threshold_gives_large_tensors_buckets_of_their_own():
     """From `alone` bytes a tensor shares no bucket (sent from its own memory, no pack); gloo
     sets that at 4 MiB whatever the bucket, NCCL at half a bucket; below it tensors share."""
-    from vllm_nccl_sync.packing import GLOO_ALONE_BYTES, alone_bytes
+    from vllm_nccl_sync.wire.packing import GLOO_ALONE_BYTES, alone_bytes
 
     cap = 64 << 20
     assert alone_bytes(cap, "gloo") == GLOO_ALONE_BYTES and alone_bytes(cap, "nccl") == cap // 2

@@ -3,8 +3,8 @@
 import msgspec
 import pytest
 
-from vllm_nccl_sync.packing import validate_header
-from vllm_nccl_sync.protocol import (
+from vllm_nccl_sync.wire.packing import validate_header
+from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,

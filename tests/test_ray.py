@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from vllm_nccl_sync.ext import Ext
+from vllm_nccl_sync.glue.ext import Ext
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 ray = pytest.importorskip("ray")
@@ -31,7 +31,7 @@ class Trainer:
     """The trainer as a Ray actor: it binds the address of the node Ray placed it on."""
 
     def config(self, world_size: int) -> dict:
-        from vllm_nccl_sync.sync import free_port
+        from vllm_nccl_sync.trainer.sync import free_port
 
         host = ray.util.get_node_ip_address()
         return dict(host=host, control_port=free_port(host), group_port=free_port(host),
@@ -58,7 +58,7 @@ class RayProbeExt(Ext):
         address its data plane binds)."""
         import ray
 
-        from vllm_nccl_sync.transport import local_address
+        from vllm_nccl_sync.planes.base import local_address
 
         ctx = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
@@ -161,7 +161,7 @@ def test_update_through_vllm_weight_transfer_api(engine):
     """vLLM's own calls only (trainer factory, `ModuleSource`, the in-process `LLM`)."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
 
     node_ip, llm = engine
     new = build_model("qwen2", seed=3)

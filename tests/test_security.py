@@ -8,9 +8,8 @@ frame over the size bound is dropped before it is hashed or decoded, the socket 
 
 from __future__ import annotations
 
-import contextlib
-
 import ast
+import contextlib
 import errno
 import fcntl
 import logging
@@ -25,14 +24,16 @@ import torch
 import zmq
 
 import vllm_nccl_sync
-import vllm_nccl_sync.channel as channel
-import vllm_nccl_sync.receiver as receiver_mod
+import vllm_nccl_sync.engine.receiver as receiver_mod
+import vllm_nccl_sync.wire.channel as channel
 from tests.conftest import free_port
 from vllm_nccl_sync import PushClient, SyncConfig
-from vllm_nccl_sync.channel import ReceiverChannel, SenderChannel
-from vllm_nccl_sync.integrity import checksum
-from vllm_nccl_sync.packing import plan_buckets
-from vllm_nccl_sync.protocol import (
+from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
+from vllm_nccl_sync.wire.integrity import checksum
+from vllm_nccl_sync.wire.packing import plan_buckets
+from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
@@ -49,14 +50,12 @@ from vllm_nccl_sync.protocol import (
     Slot,
     encode,
 )
-from vllm_nccl_sync.receiver import Receiver
-from vllm_nccl_sync.transport import Transport
 
 P = PROTOCOL_VERSION
 SECRET = bytes.fromhex("a1" * 32)
 WRONG = bytes.fromhex("b2" * 32)
 HELLO = Hello(P, 1, 0, 0, 1, 1024, "gloo")
-LOG = "vllm_nccl_sync.channel"
+LOG = "vllm_nccl_sync.wire.channel"
 
 
 def rogue_frames(rank: int = 1) -> list:

@@ -16,8 +16,7 @@ from concurrent.futures import Future
 import pytest
 
 from tests.procs import wait_until
-from vllm_nccl_sync.engines import AsyncLLMHandle, HTTPHandle
-from vllm_nccl_sync.sync import WeightSync
+from vllm_nccl_sync.glue.engines import AsyncLLMHandle, HTTPHandle
 from vllm_nccl_sync.testing import (
     PROMPTS,
     build_model,
@@ -27,6 +26,7 @@ from vllm_nccl_sync.testing import (
     start_server,
     stop_server,
 )
+from vllm_nccl_sync.trainer.sync import WeightSync
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8

@@ -1,4 +1,4 @@
-"""SGLang receivers (`vllm_nccl_sync.integrations.sglang`).
+"""SGLang receivers (`vllm_nccl_sync.glue.sglang`).
 
 CPU (CI, no SGLang needed): the command codec; the custom-loader entry point `load` with an
 SGLang-like model (a transformers model with a `load_weights`); `WeightSync` driving
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_nccl_sync.integrations import sglang as sg
+from vllm_nccl_sync.glue import sglang as sg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 8
@@ -119,9 +119,9 @@ def test_load_passes_plain_weights_and_never_raises(tmp_path):
 
 
 def test_engine_handle_drives_updates(tmp_path):
-    from vllm_nccl_sync.sender import PushError
-    from vllm_nccl_sync.sync import WeightSync
     from vllm_nccl_sync.testing import build_model, make_model
+    from vllm_nccl_sync.trainer.push import PushError
+    from vllm_nccl_sync.trainer.sync import WeightSync
 
     path = make_model(str(tmp_path / "w1"), "qwen2", seed=1)
     engine = FakeEngine(_sglang_like("qwen2", 1), path)
@@ -186,8 +186,8 @@ class _FakeServer(BaseHTTPRequestHandler):
 
 
 def test_http_handle_drives_updates(tmp_path):
-    from vllm_nccl_sync.sync import WeightSync
     from vllm_nccl_sync.testing import build_model, make_model
+    from vllm_nccl_sync.trainer.sync import WeightSync
 
     path = make_model(str(tmp_path / "w1"), "llama", seed=1)
     model = _sglang_like("llama", 1)
@@ -275,8 +275,8 @@ def engine_main(spec: dict) -> dict:
 def trainer_main(spec: dict) -> dict:
     """Connect once the engine is up; push bf16 casts of each `(arch, seed, version)`."""
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.sender import PushError
     from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.trainer.push import PushError
 
     end = time.monotonic() + DEADLINE_S
     while not os.path.exists(spec["ready_file"]):

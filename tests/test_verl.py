@@ -68,19 +68,19 @@ def engine_class(via_registry: bool):
     if via_registry:
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
-        import vllm_nccl_sync.integrations.verl  # noqa: F401  (verl's custom_backend_module)
+        import vllm_nccl_sync.glue.verl  # noqa: F401  (verl's custom_backend_module)
 
         return CheckpointEngineRegistry.get("vllm_nccl_sync"), CheckpointEngineRegistry.new
-    from vllm_nccl_sync.integrations.verl import VllmNcclSyncCheckpointEngine as cls
+    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine as cls
 
     return cls, lambda name, **kw: cls(**kw)
 
 
 def member(role: str, via_registry: bool, inbox, outbox) -> None:
     """One worker: per round, report `prepare()`, take its topology kwargs, join, transfer."""
-    from vllm_nccl_sync.config import SyncConfig
-    from vllm_nccl_sync.loaders import ModuleLoader
-    from vllm_nccl_sync.receiver import Receiver
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.wire.config import SyncConfig
 
     try:
         _, new = engine_class(via_registry)
@@ -209,7 +209,7 @@ def test_verl_backend_pushes_to_verl_rollout_and_plain_receiver(via_registry):
 
 
 def test_build_topology_keeps_or_replaces_the_group():
-    from vllm_nccl_sync.integrations.verl import VllmNcclSyncCheckpointEngine as cls
+    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine as cls
 
     fresh = {"host": "127.0.0.1", "control_port": 1001, "group_port": 1002, "world_size": 2}
     held = {**fresh, "control_port": 2001, "group_port": 2002, "world_size": 3}

@@ -45,7 +45,7 @@ def trainer_for(client, model: torch.nn.Module, world_size: int):
     backend's init info (its `backend` ClassVar, "nccl_sync", selects the backend)."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(world_size=world_size, rank=0, timeout_s=TIMEOUT_S,
                                    bucket_bytes=64 * 1024)  # small buckets: many, and chunking
@@ -179,8 +179,8 @@ class ModuleClient:
         self.finished = 0
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        from vllm_nccl_sync.config import SyncConfig
-        from vllm_nccl_sync.receiver import Receiver
+        from vllm_nccl_sync.engine.receiver import Receiver
+        from vllm_nccl_sync.wire.config import SyncConfig
 
         self.receiver = Receiver(SyncConfig.from_dict(init_info["sync_config"]),
                                  init_info["rank_offset"])
@@ -189,7 +189,7 @@ class ModuleClient:
         pass
 
     def update_weights(self, update_info: dict) -> None:
-        from vllm_nccl_sync.loaders import ModuleLoader
+        from vllm_nccl_sync.engine.loaders import ModuleLoader
 
         summary = self.receiver.receive(ModuleLoader(self.module), update_info["timeout_s"])
         if not summary["ok"] or summary["version"] != update_info["version"]:
@@ -205,7 +205,7 @@ def test_trainer_engine_under_vllm_026_calling_convention(monkeypatch):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import ModuleSource
 
-    from vllm_nccl_sync import weight_transfer as wt
+    from vllm_nccl_sync.glue import weight_transfer as wt
     from vllm_nccl_sync.patches.vllm_weight_transfer import Surface
 
     monkeypatch.setattr(wt, "SURFACE", Surface("0.26.0", weight_version=False,
@@ -242,7 +242,7 @@ class UnconfiguredClient(ModuleClient):
 def test_engine_side_init_failure_is_what_the_trainer_reports():
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo, WeightTransferFailed
+    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo, WeightTransferFailed
 
     src = torch.nn.Linear(4, 4)
     info = NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_nccl_sync.worker_glue import worker_rank
+from vllm_nccl_sync.glue.worker import worker_rank
 
 
 def _config(tp: int, pp: int, dp: int, rank: int, dp_index: int, launcher: str | None = None):
@@ -71,7 +71,7 @@ def test_replica_from_data_parallel_rank_without_index():
 def test_engines_with_a_drafter_are_refused(method, refused):
     """A drafter with weights of its own (MTP head, EAGLE, a draft model) would keep the old
     weights after an in-place update: such engines are refused, saying why and what to do."""
-    from vllm_nccl_sync.vllm_loader import drafter_problem
+    from vllm_nccl_sync.glue.vllm_loader import drafter_problem
 
     spec = None if method is None else SimpleNamespace(method=method)
     why = drafter_problem(SimpleNamespace(speculative_config=spec))

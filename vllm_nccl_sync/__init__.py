@@ -1,13 +1,34 @@
 """vllm-nccl-sync: hot-swap the weights of a running vLLM engine from an RL trainer.
 
-Trainer side: `SyncConfig`, `PushClient` (and `WeightSync` to drive engines it holds).
+Trainer side: `SyncConfig`, `PushClient` (one push to many engines), `WeightSync` (drives the
+engines it holds: `LLMHandle`, `AsyncLLMHandle`, `HTTPHandle`), `full_tensors` (FSDP2 sources).
 Engine side: `Ext`, the vLLM worker extension (`--worker-extension-cls vllm_nccl_sync.Ext`).
+Checks: `verify` (the engine holds exactly the trainer's tensors). Outcomes: `SyncError` and its
+kinds, `WorkerSummary`. The layout of the package is drawn in docs/architecture.md.
 """
 
-from .config import SyncConfig
-from .ext import Ext
-from .protocol import PROTOCOL_VERSION
-from .sender import PushClient, PushError, PushResult
+from vllm_nccl_sync.glue.engines import AsyncLLMHandle, EngineHandle, HTTPHandle, LLMHandle
+from vllm_nccl_sync.glue.ext import Ext
+from vllm_nccl_sync.outcomes import (
+    PeerFailed,
+    ProtocolError,
+    PushError,
+    SyncError,
+    UpdateFailed,
+    UpdateRefused,
+    WorkerSummary,
+)
+from vllm_nccl_sync.trainer.push import PushClient, PushResult
+from vllm_nccl_sync.trainer.sources import full_tensors
+from vllm_nccl_sync.trainer.sync import WeightSync
+from vllm_nccl_sync.verify import verify
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION
 
-__all__ = ["PROTOCOL_VERSION", "Ext", "PushClient", "PushError", "PushResult", "SyncConfig"]
+__all__ = [
+    "PROTOCOL_VERSION", "AsyncLLMHandle", "EngineHandle", "Ext", "HTTPHandle", "LLMHandle",
+    "PeerFailed", "ProtocolError", "PushClient", "PushError", "PushResult", "SyncConfig",
+    "SyncError", "UpdateFailed", "UpdateRefused", "WeightSync", "WorkerSummary", "full_tensors",
+    "verify",
+]
 __version__ = "0.1.0"

@@ -83,13 +83,13 @@ class _Params:
 
 
 def _role(role: int, args: dict) -> dict:
-    from .config import SyncConfig
-    from .loaders import ModuleLoader
-    from .metrics import ProgressPrinter
-    from .protocol import AdapterSpec
-    from .receiver import Receiver
-    from .sender import PushClient
-    from .verify import digest
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.metrics import ProgressPrinter
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.trainer.push import PushClient
+    from vllm_nccl_sync.verify import digest
+    from vllm_nccl_sync.wire.config import SyncConfig
+    from vllm_nccl_sync.wire.protocol import AdapterSpec
 
     gpu = args["backend"] == "nccl"
     if gpu:
@@ -211,8 +211,8 @@ def run(*, size_bytes: int, bucket_bytes: int, reps: int = 5, backend: str = "au
         lora_rank: int = 0) -> dict:
     """Run the benchmark; returns medians, GB/s, their ratio and whether the bytes are exact.
     `lora_rank` > 0: push a LoRA adapter of that rank of the synthetic model instead of it."""
-    from .config import SyncConfig
-    from .sync import free_port
+    from vllm_nccl_sync.trainer.sync import free_port
+    from vllm_nccl_sync.wire.config import SyncConfig
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"

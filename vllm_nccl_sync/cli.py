@@ -34,7 +34,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from vllm_nccl_sync import demo
 
     return demo.run(args)
 
@@ -45,7 +45,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from . import bench
+    from vllm_nccl_sync import bench
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     size = args.size_mib if args.size_mib is not None else (1024 if gpus >= 2 else 64)
@@ -64,7 +64,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def engine_from_args(args: argparse.Namespace) -> Any:
     """The engine handle `verify` talks to (a `vllm serve` in dev mode, by URL)."""
-    from .engines import HTTPHandle
+    from vllm_nccl_sync.glue.engines import HTTPHandle
 
     return HTTPHandle(args.url, workers=args.workers, call_timeout_s=args.timeout)
 
@@ -102,7 +102,7 @@ def print_report(report: Any, show: str, out: Any = None) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from vllm_nccl_sync.verify import verify
 
     names = [n for n in args.names.split(",") if n] if args.names else None
     report = verify(args.checkpoint, engine_from_args(args), names, timeout=args.timeout)
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    from .demo import add_arguments
+    from vllm_nccl_sync.demo import add_arguments
 
     p = add_arguments(sub.add_parser("demo", help="hot-swap a running vLLM engine's weights "
                                      "(tiny local model, real engine, trainer process)"))
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .metrics import configure_logging
+    from vllm_nccl_sync.engine.metrics import configure_logging
 
     configure_logging(json_lines=args.log_json, level=getattr(logging, args.log_level.upper()))
     try:

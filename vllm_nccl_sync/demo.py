@@ -26,11 +26,18 @@ import tempfile
 import time
 import warnings
 
-from .config import SyncConfig
-from .metrics import ProgressPrinter, push_logged
-from .sender import PushClient
-from .sync import free_port
-from .testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model, vllm_greedy
+from vllm_nccl_sync.engine.metrics import ProgressPrinter, push_logged
+from vllm_nccl_sync.testing import (
+    PROMPTS,
+    build_model,
+    engine_kwargs,
+    hf_greedy,
+    make_model,
+    vllm_greedy,
+)
+from vllm_nccl_sync.trainer.push import PushClient
+from vllm_nccl_sync.trainer.sync import free_port
+from vllm_nccl_sync.wire.config import SyncConfig
 
 MAX_TOKENS = 8
 

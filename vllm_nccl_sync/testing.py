@@ -159,7 +159,7 @@ def make_block_fp8(path: str, seed: int, quantized: bool = True) -> str:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .patches.vllm_block_fp8 import SCALE, quantize
+    from vllm_nccl_sync.patches.vllm_block_fp8 import SCALE, quantize
 
     config = _config("qwen3")
     config.num_key_value_heads = 4  # 4 x 32: every projection is a multiple of a block
@@ -296,7 +296,7 @@ def start_server(path: str, log_path: str, env: dict | None = None,
     import time
     import urllib.request
 
-    from .sync import free_port
+    from vllm_nccl_sync.trainer.sync import free_port
 
     kw, port = engine_kwargs(), free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,

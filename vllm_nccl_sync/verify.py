@@ -98,7 +98,7 @@ def _ue8m0(module: torch.nn.Module) -> bool:
 
 
 def _relaid(module: torch.nn.Module) -> bool:
-    from .patches.vllm_postload import relaid_experts
+    from vllm_nccl_sync.patches.vllm_postload import relaid_experts
 
     return relaid_experts(module) is not None
 
@@ -192,7 +192,7 @@ def checkpoint_tensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
     if os.path.isfile(path):
         files = [path]
     else:
-        from .handshake import local_model_dir
+        from vllm_nccl_sync.engine.handshake import local_model_dir
 
         path = local_model_dir(path) or path  # a model id in the local hub cache
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import require_vllm
+from vllm_nccl_sync.patches import require_vllm
 
 SUPPORTED = ("0.32.",)
 """vLLM versions (prefixes) whose CPU packing this patch was written against."""

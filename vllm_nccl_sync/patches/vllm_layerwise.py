@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import require_vllm
+from vllm_nccl_sync.patches import require_vllm
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import require_vllm
+from vllm_nccl_sync.patches import require_vllm
 
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose post-load processing this module was written against."""

@@ -37,6 +37,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from vllm_nccl_sync.outcomes import SyncError
+
 log = logging.getLogger(__name__)
 
 BACKEND = "nccl_sync"
@@ -45,11 +47,11 @@ BACKEND = "nccl_sync"
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose weight-transfer API this backend was written against."""
 
-WORKER_ENGINE = ("vllm_nccl_sync.weight_transfer", "NcclSyncWeightTransferEngine")
-TRAINER_ENGINE = ("vllm_nccl_sync.weight_transfer", "NcclSyncTrainerEngine")
+WORKER_ENGINE = ("vllm_nccl_sync.glue.transfer_engine", "NcclSyncWeightTransferEngine")
+TRAINER_ENGINE = ("vllm_nccl_sync.glue.transfer_trainer", "NcclSyncTrainerEngine")
 
 
-class UnsupportedVllm(RuntimeError):
+class UnsupportedVllm(SyncError, RuntimeError):
     """The installed vLLM has no weight-transfer API this backend knows."""
 
 

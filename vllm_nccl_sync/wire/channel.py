@@ -86,7 +86,8 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from .protocol import (
+from vllm_nccl_sync.outcomes import ERROR_MESSAGE_CHARS, clip, clip_tail
+from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     Error,
     Hello,
@@ -113,8 +114,6 @@ _MONITOR_HWM = 10_000  # monitor events kept unread (drained at every channel ca
 
 MAX_WIRE_BYTES = MAX_FRAME_BYTES + 64
 """ZeroMQ's MAXMSGSIZE on both ends: a larger frame makes libzmq drop the connection it came on."""
-ERROR_MESSAGE_CHARS = 2_000
-"""An `Error`'s `message` is clipped to this many characters (head and tail kept)."""
 ERROR_TRACEBACK_CHARS = 8_000
 """An `Error`'s `traceback` is clipped to its last this many characters."""
 
@@ -122,45 +121,12 @@ _DROPPED = (f"the connection to the trainer was dropped (a control frame over th
             f"{MAX_WIRE_BYTES}-byte limit, or the trainer went away)")
 
 
-def _cut_mark(text: str, keep_of: int) -> tuple[str, int]:
-    """The cut marker for `text` shortened to `keep_of` characters, and how many text keeps."""
-    n = len(text) - keep_of
-    while True:  # the marker's own length depends on n; converges in a step or two
-        mark = f" \u2026 [{n} chars cut] \u2026 "
-        keep = keep_of - len(mark)
-        if len(text) - keep == n or keep <= 0:
-            return mark, keep
-        n = len(text) - keep
-
-
-def clip(text: str, limit: int = ERROR_MESSAGE_CHARS) -> str:
-    """`text` if it has at most `limit` characters, else `head … [N chars cut] … tail` of
-    exactly `limit` characters (a plain cut when `limit` is too small for the marker)."""
-    if len(text) <= limit:
-        return text
-    mark, keep = _cut_mark(text, limit)
-    if keep <= 0:
-        return text[: max(limit, 0)]
-    head = keep - keep // 2
-    return text[:head] + mark + text[len(text) - keep // 2 :]
-
-
-def _clip_tail(text: str, limit: int = ERROR_TRACEBACK_CHARS) -> str:
-    """Like `clip`, keeping only the tail (the end of a traceback says most)."""
-    if len(text) <= limit:
-        return text
-    mark, keep = _cut_mark(text, limit)
-    if keep <= 0:
-        return text[len(text) - max(limit, 0) :]
-    return mark.lstrip() + text[len(text) - keep :]
-
-
 def _bounded(msg: Message) -> Message:
     """`msg` with the free texts of an `Error` clipped (other messages unchanged)."""
     if isinstance(msg, Error) and (len(msg.message) > ERROR_MESSAGE_CHARS
                                    or len(msg.traceback) > ERROR_TRACEBACK_CHARS):
         msg = msgspec.structs.replace(
-            msg, message=clip(msg.message), traceback=_clip_tail(msg.traceback)
+            msg, message=clip(msg.message), traceback=clip_tail(msg.traceback, ERROR_TRACEBACK_CHARS)
         )
     return msg
 

@@ -21,7 +21,7 @@ class Ext:
     _nccl_sync_lora: Any = None  # lora.AdapterStore (LoRA engines only): outlives re-joins
 
     def _nccl_sync_state_obj(self) -> Any:
-        from .receiver import ReceiverState
+        from vllm_nccl_sync.engine.receiver import ReceiverState
 
         if self._nccl_sync_held is None:
             self._nccl_sync_held = ReceiverState()
@@ -33,9 +33,9 @@ class Ext:
         This worker's rank is `rank_offset + replica * workers_per_replica + local rank`, from
         vLLM's parallel config (`worker_glue.worker_rank`, shared with the `nccl_sync` backend).
         """
-        from .config import SyncConfig
-        from .vllm_loader import VllmWeightLoader
-        from .worker_glue import join
+        from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
+        from vllm_nccl_sync.glue.worker import join
+        from vllm_nccl_sync.wire.config import SyncConfig
 
         if self._nccl_sync is not None:
             self.nccl_sync_close()
@@ -51,8 +51,8 @@ class Ext:
         if getattr(self.vllm_config, "lora_config", None) is None:
             return None
         if self._nccl_sync_lora is None:
-            from .lora import AdapterStore
-            from .worker_glue import reference
+            from vllm_nccl_sync.glue.lora import AdapterStore
+            from vllm_nccl_sync.glue.worker import reference
 
             self._nccl_sync_lora = AdapterStore.for_worker(self, reference(self.vllm_config))
         return self._nccl_sync_lora.loader
@@ -91,7 +91,7 @@ class Ext:
 
     def nccl_sync_param_ptrs(self) -> dict[str, int]:
         """Data pointer of every non-empty parameter and buffer (to prove updates are in place)."""
-        from .vllm_loader import param_pointers
+        from vllm_nccl_sync.glue.vllm_loader import param_pointers
 
         return param_pointers(self.model_runner.model)
 
@@ -102,7 +102,7 @@ class Ext:
             get_tensor_model_parallel_world_size,
         )
 
-        from .verify import module_checksums
+        from vllm_nccl_sync.verify import module_checksums
 
         return {
             "tp_rank": get_tensor_model_parallel_rank(),
@@ -112,7 +112,7 @@ class Ext:
 
     def nccl_sync_metrics(self) -> dict[str, Any]:
         """This worker's counters, and its `vllm_nccl_sync_*` series as Prometheus text."""
-        from .metrics import export_state, prometheus_text
+        from vllm_nccl_sync.engine.metrics import export_state, prometheus_text
 
         if self._nccl_sync is not None:
             export_state(self._nccl_sync[0].rank, self._nccl_sync[0].state)

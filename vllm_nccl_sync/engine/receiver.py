@@ -44,13 +44,15 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .channel import ReceiverChannel, clip
-from .config import SyncConfig
-from .handshake import Reference
-from .integrity import checksum, checksum_gpu
-from .metrics import observe_update
-from .packing import Reassembler, validate_header
-from .protocol import (
+from vllm_nccl_sync.engine.handshake import Reference
+from vllm_nccl_sync.engine.metrics import observe_update
+from vllm_nccl_sync.outcomes import UpdateFailed
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.wire.channel import ReceiverChannel, clip
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.packing import Reassembler, validate_header
+from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -67,7 +69,6 @@ from .protocol import (
     Seal,
     TensorSpec,
 )
-from .transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,6 @@ class WeightLoader(Protocol):
     def finish(self) -> None: ...
 
     def abort(self) -> None: ...
-
-
-class UpdateFailed(RuntimeError):
-    """This update did not complete; the text says why and on which side."""
 
 
 def require_checksums_default() -> bool:

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .config import SyncConfig
-from .engines import EngineHandle
-from .protocol import AdapterSpec
-from .sender import PushClient, PushError, PushResult
+from vllm_nccl_sync.glue.engines import EngineHandle
+from vllm_nccl_sync.trainer.push import PushClient, PushError, PushResult
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.protocol import AdapterSpec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -180,7 +180,7 @@ def adapter_update(adapter: Any, name: str, lora_id: int, rank: int | None = Non
         alpha = cfg.lora_alpha if alpha is None else alpha
         targets = cfg.target_modules if target_modules is None else target_modules
         if isinstance(targets, str):  # a regex or "all-linear": the modules the tensors name
-            from .lora import split_name
+            from vllm_nccl_sync.glue.lora import split_name
 
             targets = {split_name(n)[0] for n in tensors}
         target_modules = sorted({t.rsplit(".", 1)[-1] for t in targets})  # PEFT may give paths

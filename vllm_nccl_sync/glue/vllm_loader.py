@@ -72,8 +72,8 @@ def _fp8_blocks(vllm_config: Any) -> dict[str, tuple[int, int]]:
     block = getattr(vllm_config.quant_config, "weight_block_size", None)
     if not block:
         return {}
-    from .handshake import local_model_dir, read_safetensors_index
-    from .patches.vllm_block_fp8 import blocks_of
+    from vllm_nccl_sync.engine.handshake import local_model_dir, read_safetensors_index
+    from vllm_nccl_sync.patches.vllm_block_fp8 import blocks_of
 
     mc = vllm_config.model_config
     path = local_model_dir(mc.model, getattr(mc, "revision", None))
@@ -149,13 +149,13 @@ class VllmWeightLoader:
         self._postload()  # refuses a model that cannot be updated in place, saying why
         self._fp8_blocks = _fp8_blocks(self.vllm_config)
         if getattr(self.vllm_config, "lora_config", None) is not None:
-            from .patches.vllm_lora import base_loads_through_wrappers
+            from vllm_nccl_sync.patches.vllm_lora import base_loads_through_wrappers
 
             base_loads_through_wrappers()  # base weights of a LoRA engine (vLLM 0.26)
 
     def _repacker(self) -> Any:
         if self._cpu is None:
-            from .patches import vllm_cpu_repack
+            from vllm_nccl_sync.patches import vllm_cpu_repack
 
             self._cpu = vllm_cpu_repack if vllm_cpu_repack.applies() else False
             if self._cpu:
@@ -165,7 +165,7 @@ class VllmWeightLoader:
     def _postload(self) -> Any:
         """patches.vllm_postload; ValueError if the model cannot be updated in place."""
         if self._post is None:
-            from .patches import vllm_postload
+            from vllm_nccl_sync.patches import vllm_postload
 
             vllm_postload.check_version()
             if why := vllm_postload.unsupported(self.model):
@@ -177,7 +177,7 @@ class VllmWeightLoader:
         """patches.vllm_layerwise if any layer is loaded layerwise, else False (`_lw_layers`:
         which layers, None for all)."""
         if self._lw is None:
-            from .patches import vllm_layerwise
+            from vllm_nccl_sync.patches import vllm_layerwise
 
             whole = self.mode != "plain" and not self._repacker() and (
                 self.mode == "layerwise" or vllm_layerwise.applies(self.model))
@@ -221,7 +221,7 @@ class VllmWeightLoader:
             if n not in self.aliases or self.aliases[n] not in names
         ]
         if self._fp8_blocks:  # bf16 for a block-FP8 weight: quantized as the checkpoint is
-            from .patches.vllm_block_fp8 import expand
+            from vllm_nccl_sync.patches.vllm_block_fp8 import expand
 
             batch = expand(batch, self._fp8_blocks)
         done = set(self.model.load_weights(iter(batch)) or ())

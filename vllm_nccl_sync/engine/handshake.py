@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .protocol import TensorSpec
+from vllm_nccl_sync.wire.protocol import TensorSpec
 
 _ST_DTYPES = {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import msgspec
 
+from vllm_nccl_sync.outcomes import ProtocolError
+
 PROTOCOL_VERSION = 5
 """Bumped on every incompatible change of these messages or of the checksums they carry
 (5: the CPU bucket checksum sums rows of 512 bytes)."""
@@ -99,6 +101,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     backend: str
     checksums: bool = True
     """This receiver refuses buckets that no sender checksum covers (its own policy)."""
+    dtype: str = ""
+    """The dtype the engine holds its floating-point weights in ("": not known); the trainer
+    casts to it where the cast is faithful."""
 
 
 class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fields=True):
@@ -261,12 +266,21 @@ class Sent(msgspec.Struct, tag="sent", frozen=True, forbid_unknown_fields=True):
 Message = (Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit | Error
            | SenderHello | Offer | Sent)
 
+def belongs(msg: Message, version: int) -> bool:
+    """The version rule: is `msg` a message of update `version`?
+
+    A message belongs to an update when it names that update's version. An `Error` naming no
+    update (version -1: its sender failed before it learned which update was opening) belongs to
+    whichever update is open. `Hello` and `SenderHello` belong to no update (they open sessions).
+    """
+    got = getattr(msg, "version", None)
+    if got is None:
+        return False
+    return got == version or (got == -1 and isinstance(msg, Error))
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
-
-
-class ProtocolError(ValueError):
-    """A frame or message that breaks the protocol; the text names the problem."""
 
 
 def encode(msg: Message) -> bytes:

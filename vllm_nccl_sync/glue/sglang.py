@@ -4,7 +4,7 @@ SGLang (read in 0.5.17, the newest pinning torch 2.11) has no worker extension l
 it has a hook that runs our code inside every TP worker with the live model: a custom weight
 loader. A server started with
 
-    --custom-weight-loader vllm_nccl_sync.integrations.sglang.load
+    --custom-weight-loader vllm_nccl_sync.glue.sglang.load
 
 (`sgl.Engine(..., custom_weight_loader=[LOADER])`) lets `update_weights_from_tensor(named_tensors,
 load_format=LOADER)` call `load(model_runner.model, named_tensors)` in each TP scheduler process,
@@ -30,7 +30,7 @@ the trainer-side handles read them back. Update outcomes also reach the trainer 
 protocol itself (`Ack`/`Error` per rank), whatever the report folder.
 
 Trainer side: `SGLangEngineHandle(engine)` for an in-process `sgl.Engine`, `SGLangHTTPHandle(url)`
-for `python -m sglang.launch_server ...`; both are `vllm_nccl_sync.engines.EngineHandle`s, so
+for `python -m sglang.launch_server ...`; both are `vllm_nccl_sync.glue.engines.EngineHandle`s, so
 `WeightSync([...])` drives them (and vLLM engines in the same group) unchanged.
 
 Limits (SGLang's own hook has them too): weights that SGLang transforms after loading (FP8 and
@@ -57,7 +57,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LOADER = "vllm_nccl_sync.integrations.sglang.load"
+LOADER = "vllm_nccl_sync.glue.sglang.load"
 """The import path to give SGLang's `--custom-weight-loader` and use as `load_format`."""
 COMMAND_PREFIX = "vllm_nccl_sync:"
 """A named tensor whose name starts with this is a command (the rest of the name is JSON)."""
@@ -185,8 +185,8 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 def _reference(model: torch.nn.Module, model_path: str | None) -> Any:
     """The engine's tensors in HF terms from the checkpoint's safetensors headers, or None."""
-    from ..handshake import checkpoint_reference
-    from ..packing import dtype_name
+    from vllm_nccl_sync.engine.handshake import checkpoint_reference
+    from vllm_nccl_sync.wire.packing import dtype_name
 
     config = getattr(model, "config", None)
     path = model_path or getattr(config, "_name_or_path", None) or ""
@@ -214,15 +214,15 @@ def _close(w: _Worker) -> None:
 
 def run_command(model: torch.nn.Module, cmd: dict) -> dict:
     """Run one command in this worker; returns a JSON-native result (raises on failure)."""
-    from ..receiver import ReceiverState
+    from vllm_nccl_sync.engine.receiver import ReceiverState
 
     w = _WORKERS.get(id(model))
     if w is None:
         w = _WORKERS[id(model)] = _Worker(ReceiverState())
     op, args = cmd["op"], cmd.get("args", {})
     if op == "join":
-        from ..config import SyncConfig
-        from ..receiver import Receiver
+        from vllm_nccl_sync.engine.receiver import Receiver
+        from vllm_nccl_sync.wire.config import SyncConfig
 
         version = _sglang_version()
         if version and not version.startswith(SUPPORTED):
@@ -247,11 +247,11 @@ def run_command(model: torch.nn.Module, cmd: dict) -> dict:
     if op == "state":
         return _state(w)
     if op == "param_ptrs":
-        from ..vllm_loader import param_pointers
+        from vllm_nccl_sync.glue.vllm_loader import param_pointers
 
         return param_pointers(model)
     if op == "checksums":
-        from ..verify import module_checksums
+        from vllm_nccl_sync.verify import module_checksums
 
         tp_rank, tp_size, _, _ = _parallel_info()
         return {"tp_rank": tp_rank, "tp_size": tp_size,

@@ -79,7 +79,7 @@ class AsyncLLMHandle:
 
     def pause(self, mode: str) -> None:
         """Pause; `abort`/`wait` also clear the KV and prefix caches once the engine is idle."""
-        from .patches.vllm_pause import pause
+        from vllm_nccl_sync.patches.vllm_pause import pause
 
         self._cleared = False
         self._run(pause(self.engine, mode, clear_cache=mode != "keep"))
@@ -149,7 +149,7 @@ class HTTPHandle:
         import urllib.error
         import urllib.request
 
-        from .patches.vllm_lora import SCHEME
+        from vllm_nccl_sync.patches.vllm_lora import SCHEME
 
         with urllib.request.urlopen(self.url + "/v1/models", timeout=self._timeout) as r:
             served = {m.get("id") for m in json.loads(r.read()).get("data", [])}

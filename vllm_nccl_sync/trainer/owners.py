@@ -13,11 +13,12 @@ from collections.abc import Mapping
 
 import torch
 
-from .packing import DTYPES, plan_buckets, tensor_nbytes
-from .protocol import BucketHeader, TensorSpec
+from vllm_nccl_sync.outcomes import SyncError
+from vllm_nccl_sync.wire.packing import DTYPES, plan_buckets, tensor_nbytes
+from vllm_nccl_sync.wire.protocol import BucketHeader, TensorSpec
 
 
-class OwnershipError(ValueError):
+class OwnershipError(SyncError, ValueError):
     """The senders' offers cannot make one plan; the text names the tensor and ranks."""
 
 

@@ -20,7 +20,7 @@ gathered and sent once, under its first name, which the receivers understand. `d
 floating-point tensors *before* the gather (the local shard), so an fp32 master copy is gathered
 and sent as bf16 at half the bytes; leave `PushClient.push(dtype=...)` unset then.
 
-`FSDPWeightSource` (imported lazily: `from vllm_nccl_sync.sources import FSDPWeightSource`
+`FSDPWeightSource` (imported lazily: `from vllm_nccl_sync.trainer.sources import FSDPWeightSource`
 needs vLLM) is the same stream as a vLLM `WeightSource` (`vllm.distributed.weight_transfer`),
 for trainer backends written against vLLM's API. Following that contract it yields on every
 rank (vLLM's trainer engines drop the tensors on non-sender ranks); it is also a plain iterable

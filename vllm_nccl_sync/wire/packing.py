@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .protocol import BucketHeader, Slot
+from vllm_nccl_sync.wire.protocol import BucketHeader, Slot
 
 ALIGN = 64
 """Byte alignment of every slot's offset in a bucket."""

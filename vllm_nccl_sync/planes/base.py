@@ -32,7 +32,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .config import SyncConfig
+from vllm_nccl_sync.outcomes import PeerFailed
+from vllm_nccl_sync.wire.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,6 @@ def await_listener(host: str, port: int, timeout_s: float) -> None:
     )
 
 
-class PeerFailed(RuntimeError):
-    """A point-to-point transfer with `rank` failed (the peer died, or the group timed out)."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
 class _Works:
     """Gloo point-to-point operations, one per peer, as one handle; `wait` is bounded.
 
@@ -136,10 +129,20 @@ class Transport:
     packing and loading overlap with the transfer.
     """
 
+    digest_per_bucket: bool
+    """True (gloo): the sender sends each bucket's checksum in a `Digest` right after posting it,
+    and a receiver checks it before loading the bucket. False (NCCL): both sides checksum on the
+    device beside the collective and compare once, at the `Seal`."""
+    canary_bytes: int
+    """Bytes past `length` a receiver posts and fills with random bytes (gloo: a longer send is
+    then caught instead of aborting the process); 0: it posts exactly `length` bytes."""
+
     def __init__(self, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> None:
         if not 0 <= rank < cfg.world_size:
             raise ValueError(f"rank {rank} outside [0, {cfg.world_size})")
         self.backend = cfg.backend
+        self.digest_per_bucket = cfg.backend == "gloo"
+        self.canary_bytes = 8 if cfg.backend == "gloo" else 0
         self.rank = rank
         self.world_size = cfg.world_size
         self.pg = None

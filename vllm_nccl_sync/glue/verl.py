@@ -8,7 +8,7 @@ workers and `receive_weights()` on the rollout workers, then `finalize()`. Impor
 registers `VllmNcclSyncCheckpointEngine` under `vllm_nccl_sync`, so in a verl config:
 
     checkpoint_engine.backend: vllm_nccl_sync          (under actor_rollout_ref.rollout)
-    checkpoint_engine.custom_backend_module: vllm_nccl_sync.integrations.verl
+    checkpoint_engine.custom_backend_module: vllm_nccl_sync.glue.verl
     checkpoint_engine.engine_kwargs.vllm_nccl_sync: {transport: nccl}
 
 Trainer side: actor rank 0 is rank 0 of the transfer group and streams verl's per-tensor generator
@@ -25,7 +25,7 @@ Engine side, two ways (the wire protocol is the same, so the trainer side does n
   another process): give each engine `nccl_sync_join(cfg, rank_offset)` with the `cfg` that
   `build_topology` hands out (`ext_join_args`) and call `nccl_sync_receive` while the actor
   pushes. verl's manager does not make those calls; the driver that owns the engines does
-  (`vllm_nccl_sync.engines` handles: `collective_rpc` or HTTP).
+  (`vllm_nccl_sync.glue.engines` handles: `collective_rpc` or HTTP).
 
 The group is kept across updates (verl calls `init_process_group` before each one; an unchanged
 topology reuses the connection) unless `rebuild_group=True`. A random HMAC secret is made per
@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from ..config import DEFAULT_BUCKET_BYTES, SyncConfig
-from ..metrics import push_logged
-from ..sync import free_port
+from vllm_nccl_sync.engine.metrics import push_logged
+from vllm_nccl_sync.trainer.sync import free_port
+from vllm_nccl_sync.wire.config import DEFAULT_BUCKET_BYTES, SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,8 @@ class VllmNcclSyncCheckpointEngine(_Base):
     def init_process_group(self, rank: int, cfg: dict[str, Any]) -> None:
         """Join the group as `rank` (-1: an actor that only drains its generator); blocks until
         every member joined. The group already held is reused if `cfg` is unchanged."""
-        from ..receiver import Receiver
-        from ..sender import PushClient
+        from vllm_nccl_sync.engine.receiver import Receiver
+        from vllm_nccl_sync.trainer.push import PushClient
 
         self.rank = rank
         if rank < 0:

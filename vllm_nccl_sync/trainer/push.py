@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from .channel import SenderChannel, clip
-from .config import SyncConfig
-from .integrity import checksum, checksum_gpu
-from .packing import (
+from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused, as_push_error
+from vllm_nccl_sync.planes.base import Handle, Transport
+from vllm_nccl_sync.wire.channel import SenderChannel, clip
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.packing import (
     Bucket,
     StreamPacker,
     alone_bytes,
@@ -51,7 +53,7 @@ from .packing import (
     plan_buckets,
     tensor_nbytes,
 )
-from .protocol import (
+from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -69,36 +71,8 @@ from .protocol import (
     SenderHello,
     TensorSpec,
 )
-from .transport import Handle, PeerFailed, Transport
 
 log = logging.getLogger(__name__)
-
-
-class PushError(RuntimeError):
-    """An update failed; `errors` holds each failing receiver's message by rank."""
-
-    def __init__(self, message: str, errors: dict[int, str] | None = None,
-                 missing: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.errors = errors or {}
-        self.missing = missing or []
-        """Ranks that said nothing in time (gone, or stuck)."""
-
-
-def as_push_error(e: BaseException, what: str, side: str) -> PushError:
-    """`e` as the `PushError` to raise for a failed update (`what`, e.g. "update 3 failed"):
-    itself if it is one; a data-plane peer that left, as `missing` that rank; else failed on
-    `side`."""
-    if isinstance(e, PushError):
-        return e
-    if isinstance(e, PeerFailed):
-        return PushError(f"{what}: rank {e.rank} left the data plane: {clip(str(e))}",
-                         missing=[e.rank])
-    return PushError(f"{what} on {side}: {clip(repr(e))}")
-
-
-class UpdateRefused(PushError):
-    """A receiver refused the plan or a header; every receiver has already been sent `Abort`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +148,7 @@ class PushClient:
         self.rank = rank
         self._peer = None
         if rank > 0:  # another sender: joins the coordinator, pushes only its own buckets
-            from .multisend import PeerSender
+            from vllm_nccl_sync.trainer.multisend import PeerSender
 
             self._peer = PeerSender(cfg, rank, device)
             return
@@ -392,7 +366,7 @@ class PushClient:
             return self._peer.push(named_tensors, version, dtype=dtype, force=force, full=full,
                                    staged=staged, balance=balance)
         if self.cfg.num_senders > 1:
-            from .multisend import coordinate
+            from vllm_nccl_sync.trainer.multisend import coordinate
 
             if self.transport is None:
                 raise RuntimeError("call connect() before push()")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from .packing import ALIGN
+from vllm_nccl_sync.wire.packing import ALIGN
 
 BACKENDS = ("gloo", "nccl")
 """Data-plane backends, chosen by name."""

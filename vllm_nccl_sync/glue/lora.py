@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .handshake import Reference
-from .protocol import AdapterSpec
+from vllm_nccl_sync.engine.handshake import Reference
+from vllm_nccl_sync.wire.protocol import AdapterSpec
 
 _PREFIX = "base_model.model."
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -39,7 +39,7 @@ def lora_request(name: str, lora_id: int) -> Any:
     engine (its path points at worker memory, not at a file)."""
     from vllm.lora.request import LoRARequest
 
-    from .patches.vllm_lora import SCHEME
+    from vllm_nccl_sync.patches.vllm_lora import SCHEME
 
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=SCHEME + name)
 
@@ -75,7 +75,7 @@ class AdapterStore:
         """`manager`: the worker's `WorkerLoRAManager` (see `for_worker`, `for_model`);
         `reference`: the base model's HF tensors, to check adapter shapes against (None: the
         shapes are only checked against the adapter's rank)."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         vllm_lora.check_version()
         if manager is None:
@@ -88,20 +88,20 @@ class AdapterStore:
     @classmethod
     def for_worker(cls, worker: Any, reference: Reference | None) -> AdapterStore:
         """The store of a vLLM worker (the worker extension)."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         return cls(vllm_lora.worker_manager(worker), reference)
 
     @classmethod
     def for_model(cls, model: Any, reference: Reference | None) -> AdapterStore:
         """The store of a weight-transfer engine, which vLLM hands the model only."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         return cls(vllm_lora.manager_of_model(model), reference)
 
     def _rebuild(self, name: str, lora_id: int) -> Any:
         """vLLM needs adapter `name` under `lora_id` (evicted earlier, or a new id)."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         held = self.held.get(name)
         if held is None:
@@ -152,7 +152,7 @@ class AdapterLoader:
 
     def begin(self) -> None:
         """Check the adapter's config against the engine's LoRA config (rank, features)."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         s = self.spec
         if s.id < 1:
@@ -163,7 +163,7 @@ class AdapterLoader:
         self.incoming = {}
 
     def _check(self, name: str, t: torch.Tensor) -> None:
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         module, is_a = split_name(name)
         leaf = module.rsplit(".", 1)[-1]
@@ -204,7 +204,7 @@ class AdapterLoader:
 
     def finish(self) -> None:
         """Build the adapter (every check that can fail runs here first), then swap it in."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         wm, s = self.store.wm, self.spec
         modules: dict[str, set[bool]] = {}
@@ -255,7 +255,7 @@ class AdapterLoader:
 
     def abort(self) -> None:
         """Undo `finish` (old tensors, slots and registrations back); drop what was received."""
-        from .patches import vllm_lora
+        from vllm_nccl_sync.patches import vllm_lora
 
         wm = self.store.wm
         for entry in reversed(self._undo):

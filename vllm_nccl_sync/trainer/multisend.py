@@ -30,12 +30,29 @@ from typing import Any
 
 import torch
 
-from .channel import ReceiverChannel, clip
-from .config import SyncConfig
-from .integrity import checksum, checksum_gpu
-from .owners import OwnershipError, plan_headers, plan_owners
-from .packing import Bucket, alone_bytes, as_bytes, dtype_name, pack, tensor_nbytes
-from .protocol import (
+from vllm_nccl_sync.outcomes import PeerFailed
+from vllm_nccl_sync.planes.base import Handle, Transport
+from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners
+from vllm_nccl_sync.trainer.push import (
+    PushClient,
+    PushError,
+    PushResult,
+    UpdateRefused,
+    _without_aliases,
+    as_push_error,
+)
+from vllm_nccl_sync.wire.channel import ReceiverChannel, clip
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.packing import (
+    Bucket,
+    alone_bytes,
+    as_bytes,
+    dtype_name,
+    pack,
+    tensor_nbytes,
+)
+from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -53,15 +70,6 @@ from .protocol import (
     TensorSpec,
     encode,
 )
-from .sender import (
-    PushClient,
-    PushError,
-    PushResult,
-    UpdateRefused,
-    _without_aliases,
-    as_push_error,
-)
-from .transport import Handle, PeerFailed, Transport
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .config import SyncConfig
-from .handshake import Reference
-from .receiver import Receiver, ReceiverState
-from .transport import local_address
+from vllm_nccl_sync.engine.handshake import Reference
+from vllm_nccl_sync.engine.receiver import Receiver, ReceiverState
+from vllm_nccl_sync.planes.base import local_address
+from vllm_nccl_sync.wire.config import SyncConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +81,8 @@ def name_mapping(model_config: Any) -> Callable[[str], str | None] | None:
 def reference(vllm_config: Any) -> Reference | None:
     """The engine's tensors in HF terms, from its checkpoint's safetensors headers, with names
     compared through the model's own mapping."""
-    from .handshake import checkpoint_reference
-    from .packing import dtype_name
+    from vllm_nccl_sync.engine.handshake import checkpoint_reference
+    from vllm_nccl_sync.wire.packing import dtype_name
 
     mc = vllm_config.model_config
     tied = bool(getattr(mc.hf_text_config, "tie_word_embeddings", False)

@@ -1,0 +1,153 @@
+"""What an update ends with, on either side: one exception base, the typed per-worker summary,
+and the one translation of any failure into the trainer's `PushError`.
+
+Every error this package raises about an update is a `SyncError`; each keeps the builtin base it
+always had (`RuntimeError`, `ValueError`), so existing `except` clauses still catch it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+ERROR_MESSAGE_CHARS = 2_000
+"""An error text crossing a process boundary is clipped to this many characters."""
+
+
+def _cut_mark(text: str, keep_of: int) -> tuple[str, int]:
+    """The cut marker for `text` shortened to `keep_of` characters, and how many text keeps."""
+    n = len(text) - keep_of
+    while True:  # the marker's own length depends on n; converges in a step or two
+        mark = f" \u2026 [{n} chars cut] \u2026 "
+        keep = keep_of - len(mark)
+        if len(text) - keep == n or keep <= 0:
+            return mark, keep
+        n = len(text) - keep
+
+
+def clip(text: str, limit: int = ERROR_MESSAGE_CHARS) -> str:
+    """`text` if it has at most `limit` characters, else `head … [N chars cut] … tail` of
+    exactly `limit` characters (a plain cut when `limit` is too small for the marker)."""
+    if len(text) <= limit:
+        return text
+    mark, keep = _cut_mark(text, limit)
+    if keep <= 0:
+        return text[: max(limit, 0)]
+    head = keep - keep // 2
+    return text[:head] + mark + text[len(text) - keep // 2 :]
+
+
+def clip_tail(text: str, limit: int) -> str:
+    """Like `clip`, keeping only the tail (the end of a traceback says most)."""
+    if len(text) <= limit:
+        return text
+    mark, keep = _cut_mark(text, limit)
+    if keep <= 0:
+        return text[len(text) - max(limit, 0) :]
+    return mark.lstrip() + text[len(text) - keep :]
+
+
+class SyncError(Exception):
+    """Base of every error this package raises about a join or an update."""
+
+
+class ProtocolError(SyncError, ValueError):
+    """A frame or message that breaks the protocol; the text names the problem."""
+
+
+class PeerFailed(SyncError, RuntimeError):
+    """A data-plane transfer with `rank` failed (the peer died, or the group timed out)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class UpdateFailed(SyncError, RuntimeError):
+    """Engine side: this update did not complete; the text says why and on which side."""
+
+
+class PushError(SyncError, RuntimeError):
+    """Trainer side: an update failed.
+
+    `errors`: each failing receiver's (or sender's) message by rank; `missing`: ranks that said
+    nothing in time (gone, or stuck); `summaries`: the workers' own reports, where the front door
+    collected them (`WeightSync`).
+    """
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None,
+                 missing: list[int] | None = None,
+                 summaries: list[WorkerSummary] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
+        self.missing = list(missing or [])
+        self.summaries = list(summaries or [])
+
+    def with_summaries(self, summaries: list[WorkerSummary]) -> PushError:
+        """The same error (same class, texts, ranks and cause), also carrying `summaries`, and
+        naming the failures the workers reported that the trainer did not already name."""
+        extra = [s for s in summaries if not s.ok and s.error
+                 and s.rank not in self.errors and s.error not in str(self)]
+        text = str(self)
+        if extra:
+            text += "; " + "; ".join(f"rank {s.rank}: {clip(s.error, 500)}" for s in extra)
+        err = type(self)(text, self.errors, self.missing, summaries)
+        err.__cause__ = self.__cause__
+        return err
+
+
+class UpdateRefused(PushError):
+    """A receiver refused the plan or a header before any byte moved; every receiver was sent
+    `Abort`, and every engine still holds its previous weights."""
+
+
+def as_push_error(e: BaseException, what: str, side: str) -> PushError:
+    """`e` as the `PushError` to raise for a failed update (`what`, e.g. "update 3 failed"):
+    itself if it is one; a data-plane peer that left, as `missing` that rank; else failed on
+    `side` (e.g. "the trainer")."""
+    if isinstance(e, PushError):
+        return e
+    if isinstance(e, PeerFailed):
+        return PushError(f"{what}: rank {e.rank} left the data plane: {clip(str(e))}",
+                         missing=[e.rank])
+    return PushError(f"{what} on {side}: {clip(repr(e))}")
+
+
+@dataclass(slots=True)
+class WorkerSummary:
+    """One worker's report of one update (or of a call that could not run one).
+
+    Crosses RPC boundaries as `to_dict()` (msgpack-native); `from_dict` reads it back, keeping
+    keys it does not know in `extra`.
+    """
+
+    ok: bool
+    rank: int = -1
+    version: int = -1
+    """The version this worker holds after the call (-1: the weights it started with)."""
+    consistent: bool = True
+    buckets: int = 0
+    bytes: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    load: dict[str, Any] = field(default_factory=dict)
+    """What loading took (layers re-processed, ...), when the loader reports it."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        if not d["error"]:
+            del d["error"]
+        if not d["load"]:
+            del d["load"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerSummary:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["error"] = kw.get("error") or ""
+        kw["load"] = dict(kw.get("load") or {})
+        return cls(extra={k: v for k, v in d.items() if k not in known}, **kw)
