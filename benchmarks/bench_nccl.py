@@ -267,7 +267,7 @@ def worker(role: int, args: dict, ports: dict) -> dict:
             if role == 0:
                 client = PushClient(cfg, device=dev)
                 client.connect()
-                tr, bufs = client.transport, client._buffers
+                tr, bufs = client.transport, client.lane.buffers
             else:
                 rx = Receiver(cfg, 1, device=dev)
                 tr, bufs = rx.transport, rx.buffers

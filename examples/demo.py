@@ -1,4 +1,4 @@
-"""Demo: hot-swap the weights of a running vLLM engine from a trainer process.
+"""Demo: a trainer teaches a running vLLM engine a new answer by hot-swapping its weights.
 
 The logic lives in `vllm_nccl_sync/demo.py` (also `vllm-nccl-sync demo`); this file runs it from
 a checkout. Run: `bash scripts/demo.sh` (installs what it needs), or `python examples/demo.py` in

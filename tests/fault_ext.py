@@ -2,7 +2,8 @@
 
 `worker_extension_cls="tests.fault_ext.FaultExt"`. The added method is prefixed `nccl_test_` (vLLM
 asserts that extension names are new to the worker class) and returns msgpack-native values.
-The failure wraps what `Ext` keeps in `self._nccl_sync` (a `(Receiver, VllmWeightLoader)` tuple):
+The failure wraps what `Ext`'s `EngineSession` (`self._nccl_sync`) receives with: its loaders
+(`session.loaders`, giving a `VllmWeightLoader`) or its receiver:
 
 * "finish": the loader's `finish()` raises before doing anything (in place it runs after the
   last bucket was loaded, so this worker holds the new tensors, not yet re-packed; `abort()`,
@@ -61,11 +62,13 @@ class FaultExt(Ext):
         if where and where not in WHERE:
             raise ValueError(f"unknown failure {where!r}; one of {WHERE}")
         me = get_tensor_model_parallel_rank()
-        if self._nccl_sync is None:
+        session = self._nccl_sync
+        if session is None or not session.joined:
             return {"tp_rank": me, "armed": "", "error": "not joined"}
-        receiver, loader = self._nccl_sync
-        real = loader.real if isinstance(loader, FailingLoader) else loader
+        receiver = session.receiver
+        real = getattr(session.loaders, "real", session.loaders)  # the session's own
         receiver.__dict__.pop("_verify", None)  # the class's own check again
+        session.loaders = real
         armed = where if where and me == tp_rank else ""
         if armed == "verify":
             def failing_verify(seal: Any, u: Any) -> None:
@@ -73,9 +76,10 @@ class FaultExt(Ext):
                                         f"the seal on tp rank {me}")
 
             receiver._verify = failing_verify
-            self._nccl_sync = (receiver, real)
         elif armed:
-            self._nccl_sync = (receiver, FailingLoader(real, armed, me))
-        else:
-            self._nccl_sync = (receiver, real)
+            def failing() -> FailingLoader:
+                return FailingLoader(real(), armed, me)
+
+            failing.real = real
+            session.loaders = failing
         return {"tp_rank": me, "armed": armed}

@@ -67,6 +67,6 @@ class LoaderExt:
 
     def nccl_test_ptrs(self) -> dict[str, int]:
         """data_ptr of every non-empty parameter and buffer of the model."""
-        from vllm_nccl_sync.glue.vllm_loader import param_pointers
+        from vllm_nccl_sync.engine.checksums import param_pointers
 
         return param_pointers(self.model_runner.model)

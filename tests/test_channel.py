@@ -12,8 +12,8 @@ import time
 import pytest
 import zmq
 
-import vllm_nccl_sync.wire.channel as channel
 from vllm_nccl_sync.trainer.sync import free_port
+from vllm_nccl_sync.wire import channel, sockets
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel, clip
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
 from vllm_nccl_sync.wire.protocol import Abort, Error, Go, Hello, encode
@@ -207,7 +207,7 @@ def test_send_all_names_ranks_without_a_session(net):
 
 def test_a_full_queue_holds_up_neither_send_all_nor_send(monkeypatch):
     """Rank 1 never reads: once its queue is full, send times out and send_all goes past it."""
-    real = channel._socket
+    real = sockets.new_socket
 
     def small_queues(kind):
         sock = real(kind)
@@ -215,7 +215,7 @@ def test_a_full_queue_holds_up_neither_send_all_nor_send(monkeypatch):
         sock.setsockopt(zmq.RCVHWM, 1)
         return sock
 
-    monkeypatch.setattr(channel, "_socket", small_queues)
+    monkeypatch.setattr(sockets, "new_socket", small_queues)
     port = free_port()
     trainer = SenderChannel("127.0.0.1", port, SECRET)
     rxs = {r: ReceiverChannel("127.0.0.1", port, r, SECRET) for r in (1, 2, 3)}

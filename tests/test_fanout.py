@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_nccl_sync import PushError, UpdateRefused
 from vllm_nccl_sync.glue.engines import LLMHandle
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.sync import WeightSync
@@ -39,6 +40,25 @@ def test_one_push_updates_two_engines(tmp_path):
         want = hf_greedy(model, PROMPTS, MAX_TOKENS)
         for llm in llms:
             assert _generate(llm) == want
+        assert [s[0]["version"] for s in sync.state()] == [5, 5]
+        # Refused by both engines: what `update` raises is what the push raised, with the
+        # workers' reports added (a refusal of the plan, each engine's text once).
+        raised, push = [], sync.client.push
+
+        def spy(*a, **kw):
+            try:
+                return push(*a, **kw)
+            except PushError as e:
+                raised.append(e)
+                raise
+        sync.client.push = spy
+        with pytest.raises(UpdateRefused) as refused:
+            sync.update(model.state_dict(), version=5)
+        [pushed] = raised
+        assert type(refused.value) is type(pushed)
+        assert (refused.value.errors, refused.value.missing) == (pushed.errors, pushed.missing)
+        assert sorted(refused.value.errors) == [1, 2] and "refused at the plan" in str(pushed)
+        assert [(s.rank, s.ok) for s in refused.value.summaries] == [(1, False), (2, False)]
         assert [s[0]["version"] for s in sync.state()] == [5, 5]
     finally:
         sync.close()

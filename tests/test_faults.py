@@ -42,10 +42,10 @@ def trainer(cfg: dict, spec: dict, conn) -> None:
     elif fault == "missing":
         sd = {k: v for k, v in sd.items() if "layers.1." not in k}
     elif fault == "corrupt":
-        import vllm_nccl_sync.trainer.push as sender_mod
+        from vllm_nccl_sync.trainer import lane  # where the trainer checksums its buckets
 
-        real = sender_mod.checksum
-        sender_mod.checksum = lambda data: real(data) ^ 2  # what the receiver sees differs
+        real = lane.checksum
+        lane.checksum = lambda data: real(data) ^ 2  # what the receiver sees differs
     items = sd if fault in ("wrong_shape", "wrong_dtype", "missing") else _stream(sd, fault)
     try:
         res = client.push(items, version=spec["version"], staged=spec.get("staged", False),

@@ -158,8 +158,8 @@ def fsdp_trainer(rank: int, fsdp_port: int, cfg: dict, arch: str, ready) -> dict
         ready.set()
         try:
             client.connect()
-            buffers = sum(b.untyped_storage().nbytes() for b in getattr(client, "_buffers", []))
-            push = LiveBytes(base=buffers or 2 * cfg["bucket_bytes"])
+            buffers = sum(b.untyped_storage().nbytes() for b in client.lane.buffers)
+            push = LiveBytes(base=buffers)
             res = client.push(push.track(full_tensors(model)), version=1)
         finally:
             client.close()

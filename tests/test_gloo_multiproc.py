@@ -116,11 +116,11 @@ def test_two_receivers_get_bit_identical_tensors_and_exact_bytes():
 
 def test_exact_length_would_catch_a_full_buffer_sender():
     """The check above is not vacuous: a sender broadcasting whole buffers breaks it."""
-    import vllm_nccl_sync.trainer.push as sender_mod
+    from vllm_nccl_sync.wire.packing import pack, plan_buckets
 
     buf = torch.zeros(1024, dtype=torch.uint8)
-    b = next(sender_mod.plan_buckets([("x", torch.ones(10))], 1024))
-    assert sender_mod.pack(b, buf).numel() == 40 != buf.numel()
+    b = next(plan_buckets([("x", torch.ones(10))], 1024))
+    assert pack(b, buf).numel() == 40 != buf.numel()
 
 
 # ---------------------------------------------------------------- agreement once per update

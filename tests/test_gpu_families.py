@@ -59,7 +59,7 @@ def test_block_fp8_quantization_is_the_same_on_gpu():
     and FP8 values bit for bit): else a pushed update differs from a fresh engine."""
     import torch
 
-    from tests.test_families import _bits
+    from tests.test_family_checks import _bits
     from vllm_nccl_sync.patches.vllm_block_fp8 import quantize
 
     if not torch.cuda.is_available():

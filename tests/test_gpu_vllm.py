@@ -74,14 +74,14 @@ class ProbeExt(Ext):
         }
 
     def nccl_test_loader_mode(self, mode: str) -> None:
-        """Swap the joined receiver's loader for a `VllmWeightLoader(mode=...)`."""
+        """Make the joined session load through a `VllmWeightLoader(mode=...)`."""
         from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
 
-        receiver, _ = self._nccl_sync
-        self._nccl_sync = (receiver, VllmWeightLoader(self, mode=mode))
+        loader = VllmWeightLoader(self, mode=mode)
+        self._nccl_sync.loaders = lambda: loader
 
     def nccl_test_loader_stats(self) -> dict:
-        loader = self._nccl_sync[1]
+        loader = self._nccl_sync.loaders()
         return {"mode": loader.mode, "layerwise": bool(loader._lw), **loader.stats}
 
 

@@ -182,11 +182,11 @@ def test_update_aborted_in_the_commit_round_is_undone(engine, monkeypatch):
     want = merged_greedy(good)
     assert generate(llm, [lora_request("E", 5)] * n) == want
 
-    def acked_then_aborted(version: int, buckets: int, phase: int):
-        sync.client._gather(Ack, -1, version, phase)
+    def acked_then_aborted(buckets: int, phase: int):
+        sync.client.rounds.gather(Ack, phase=phase)
         raise RuntimeError("another engine failed (simulated after every Ack)")
 
-    monkeypatch.setattr(sync.client, "_commit_round", acked_then_aborted)
+    monkeypatch.setattr(sync.client.rounds, "commit", acked_then_aborted)
     for other in (peft_adapter(seed=41, rank=8, targets=ALL_LINEAR),  # would go in place
                   peft_adapter(seed=42, rank=4, targets=["q_proj"])):  # would re-register
         assert merged_greedy(other) != want  # had it stayed, the output would show it

@@ -1,11 +1,16 @@
-"""Unit: the wire protocol round-trips and rejects what it must."""
+"""Unit: the wire protocol round-trips and rejects what it must, naming where."""
 
 import msgspec
 import pytest
 
 from vllm_nccl_sync.wire.packing import validate_header
 from vllm_nccl_sync.wire.protocol import (
+    MAX_BUCKETS,
+    MAX_DIMS,
     MAX_FRAME_BYTES,
+    MAX_NAME_CHARS,
+    MAX_PLAN_BUCKETS,
+    MAX_TENSORS,
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -17,6 +22,8 @@ from vllm_nccl_sync.wire.protocol import (
     Plan,
     ProtocolError,
     Ready,
+    Seal,
+    Sent,
     Slot,
     TensorSpec,
     decode,
@@ -96,7 +103,6 @@ CAP = 4096
         (header([Slot("a", "float32", [4], 8, 16)], 24), 0, "not aligned"),
         (header([Slot("a", "float32", [4], 0, 32)], 32), 0, "exceed its size"),
         (header([Slot("a", "float32", [4], 0, 6)], 6), 0, "whole float32 elements"),
-        (header([Slot("a", "float32", [-4], 0, 0)], 0), 0, "negative dimension"),
         (header([Slot("a", "float32", [4], 0, 8, 12)], 8), 0, "exceed its size"),
     ],
 )
@@ -109,3 +115,77 @@ def test_valid_header_passes():
     validate_header(
         header([Slot("a", "bfloat16", [3], 0, 6), Slot("z", "int64", [0], 64, 0)], 64), 0, CAP
     )
+
+
+# ---------------------------------------------------------------- bounds in the types
+
+def _h(slots, length, seq=0, protocol=P):
+    return BucketHeader(protocol, 7, seq, length, True, slots)
+
+
+@pytest.mark.parametrize(
+    "msg, where",
+    [
+        (_h([Slot("a", "float32", [-4], 0, 0)], 0), r">= 0 - at `\$\.slots\[0\]\.shape\[0\]`"),
+        (_h([Slot("a", "float32", [2**63], 0, 0)], 0), r"<= \d+ - at `\$\.slots\[0\]\.shape\[0\]`"),
+        (_h([Slot("a", "float32", [1] * (MAX_DIMS + 1), 0, 4)], 4),
+         rf"length <= {MAX_DIMS} - at `\$\.slots\[0\]\.shape`"),
+        (_h([Slot("x" * (MAX_NAME_CHARS + 1), "float32", [1], 0, 4)], 4),
+         rf"length <= {MAX_NAME_CHARS} - at `\$\.slots\[0\]\.name`"),
+        (_h([Slot("a", "float32", [4], -64, 16)], 16), r"at `\$\.slots\[0\]\.offset`"),
+        (_h([Slot("a", "float32", [4], 0, -16)], 0), r"at `\$\.slots\[0\]\.nbytes`"),
+        (_h([Slot("a", "float32", [4], 0, 8, -4)], 8), r"at `\$\.slots\[0\]\.start`"),
+        (_h([], -1), r"at `\$\.length`"),
+        (Plan(P, 7, [], buckets=[_h([], 0), _h([], 0, seq=1), _h([], -8, seq=2)]),
+         r">= 0 - at `\$\.buckets\[2\]\.length`"),
+        (Plan(P, 7, [TensorSpec("w", "bfloat16", [2, -3])]), r"at `\$\.tensors\[0\]\.shape\[1\]`"),
+        (Go(P, 7, -1), r"at `\$\.seq`"),
+        (Go(P, -1, 0), r"at `\$\.version`"),
+        (Ready(P, 1, 0, version=-2), r">= -1 - at `\$\.version`"),
+        (Error(P, 1, -2, "x"), r">= -1 - at `\$\.seq`"),
+        (Abort(P, 7, -2, "x"), r">= -1 - at `\$\.seq`"),
+        (Seal(P, 7, 1, [-1]), r"at `\$\.checksums\[0\]`"),
+        (Seal(P, 7, 1, [2**63]), r"at `\$\.checksums\[0\]`"),
+        (Sent(P, 1, 7, {0: -5}), r"at `\$\.checksums\[\.\.\.\]`"),
+        (Ack(P, 1, 7, 1, 0, 0, 0.0, phase=3), r"<= 2 - at `\$\.phase`"),
+        (Hello(P, 1, 0, 0, 0, 1 << 20, "gloo"), r">= 1 - at `\$\.tp_size`"),
+    ],
+    ids=lambda v: None if isinstance(v, str) else type(v).__name__,
+)
+def test_decoding_enforces_the_bounds_and_names_the_path(msg, where):
+    with pytest.raises(ProtocolError, match="invalid message: Expected .*" + where):
+        decode(encode(msg))
+
+
+@pytest.mark.parametrize("msg", [Abort(P, 7, -1, "the plan"), Error(P, 1, -1, "early"),
+                                 Ready(P, 1, 0), Error(P, 0, 3, "x", version=-1)],
+                         ids=lambda m: type(m).__name__)
+def test_minus_one_where_it_means_none(msg):
+    assert decode(encode(msg)) == msg
+
+
+def test_a_message_at_each_count_bound_fits_a_frame_and_one_more_is_refused():
+    """The documented claim of protocol.py: each bound, with one-character names, fits in
+    MAX_FRAME_BYTES (so a frame that fits is never refused for a count alone at these sizes),
+    and one element more is refused naming the list."""
+    spec, slot = TensorSpec("a", "int8", []), Slot("a", "int8", [], 0, 0)
+    at_bound = [
+        (Plan(P, 7, [spec] * MAX_TENSORS), "tensors"),
+        (_h([slot] * MAX_TENSORS, 0), "slots"),
+        (Plan(P, 7, [], buckets=[_h([], 0)] * MAX_PLAN_BUCKETS), "buckets"),
+        (Seal(P, 7, MAX_BUCKETS, [2**63 - 1] * MAX_BUCKETS), "checksums"),
+    ]
+    for msg, field in at_bound:
+        frame = encode(msg)
+        assert len(frame) <= MAX_FRAME_BYTES, (field, len(frame))
+        assert decode(frame) == msg
+        more = msgspec.structs.replace(msg, **{field: [*getattr(msg, field), getattr(msg, field)[0]]})
+        with pytest.raises(ProtocolError, match=rf"length <= \d+ - at `\$\.{field}`"):
+            decode(encode(more))
+
+
+def test_a_nested_header_of_another_protocol_is_refused():
+    plan = Plan(P, 7, [], buckets=[_h([], 0), _h([], 0, seq=1), _h([], 0, seq=2, protocol=1)])
+    with pytest.raises(ProtocolError, match=f"bucket 2 of the plan speaks protocol 1, this side {P}"):
+        decode(encode(plan))
+    assert decode(encode(msgspec.structs.replace(plan, buckets=plan.buckets[:2]))).buckets[1].seq == 1

@@ -25,11 +25,11 @@ import zmq
 
 import vllm_nccl_sync
 import vllm_nccl_sync.engine.receiver as receiver_mod
-import vllm_nccl_sync.wire.channel as channel
 from tests.conftest import free_port
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
-from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.base import open_transport
+from vllm_nccl_sync.wire import channel, frames
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.integrity import checksum
 from vllm_nccl_sync.wire.packing import plan_buckets
@@ -55,7 +55,7 @@ P = PROTOCOL_VERSION
 SECRET = bytes.fromhex("a1" * 32)
 WRONG = bytes.fromhex("b2" * 32)
 HELLO = Hello(P, 1, 0, 0, 1, 1024, "gloo")
-LOG = "vllm_nccl_sync.wire.channel"
+LOG = "vllm_nccl_sync.wire"
 
 
 def rogue_frames(rank: int = 1) -> list:
@@ -228,9 +228,11 @@ def test_wrong_secret_receiver_cannot_join():
 # ---------------------------------------------------------------- (b) HMAC: rogue senders
 
 class _StandIn:
-    """Data plane stand-in: the tests here are about the control plane."""
+    """Data plane stand-in with gloo's policies: the tests here are about the control plane."""
 
     broken = ""
+    digest_per_bucket = True
+    canary_bytes = 8
 
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")
@@ -252,6 +254,14 @@ class _StandIn:
 
     def close(self):
         pass
+
+
+def _stand_in(monkeypatch) -> None:
+    """Receivers made from here on get `_StandIn` as their data plane (through whichever of the
+    plane's front doors the receiver module uses)."""
+    for door in ("Transport", "open_transport"):
+        if hasattr(receiver_mod, door):
+            monkeypatch.setattr(receiver_mod, door, _StandIn)
 
 
 class _NoLoader:
@@ -281,15 +291,15 @@ def _update(version: int) -> list:
             Digest(P, version, 0, digest), Seal(P, version, 1, [digest]), Commit(P, version, 1)]
 
 
-def _seal(secret, sid, epoch, counter, rank, payload, direction=channel._TO_RECEIVER):
-    meta = channel._META.pack(channel.FRAMING, sid, epoch, counter, rank)
-    return [sid, meta + channel._mac(secret, direction, meta, payload), payload]
+def _seal(secret, sid, epoch, counter, rank, payload, direction=frames.TO_RECEIVER):
+    tag = frames.build_tag(secret, direction, frames.FrameMeta(sid, epoch, counter, rank), payload)
+    return [sid, tag, payload]
 
 
 def test_receiver_rejects_a_sender_without_the_secret(monkeypatch):
     """A rogue on the trainer's address (receivers connect out): it sees the receiver's session
     id on the wire and sends a whole update under another secret; nothing is loaded."""
-    monkeypatch.setattr(receiver_mod, "Transport", _StandIn)
+    _stand_in(monkeypatch)
     port = free_port()
     cfg = SyncConfig(control_port=port, group_port=free_port(), world_size=2, bucket_bytes=1024,
                      timeout_s=0.5, secret=SECRET.hex())
@@ -316,7 +326,7 @@ def test_receiver_rejects_a_sender_without_the_secret(monkeypatch):
 
 
 def test_receiver_with_the_wrong_secret_rejects_the_trainers_frames(monkeypatch):
-    monkeypatch.setattr(receiver_mod, "Transport", _StandIn)
+    _stand_in(monkeypatch)
     port = free_port()
     base = dict(control_port=port, group_port=free_port(), world_size=2, bucket_bytes=1024,
                 timeout_s=0.5)
@@ -355,7 +365,7 @@ class _Tap:
 def test_replayed_frames_are_dropped_by_the_receiver(monkeypatch):
     """Every frame of update 1, replayed verbatim in the middle of update 2, is dropped; update 2
     completes. Frames captured for another receiver's session are dropped as well."""
-    monkeypatch.setattr(receiver_mod, "Transport", _StandIn)
+    _stand_in(monkeypatch)
     port = free_port()
     cfg = SyncConfig(control_port=port, group_port=free_port(), world_size=3, bucket_bytes=1024,
                      timeout_s=0.5, secret=SECRET.hex())
@@ -366,10 +376,12 @@ def test_replayed_frames_are_dropped_by_the_receiver(monkeypatch):
     try:
         wait_bound(trainer, rx.channel)
         wait_bound(trainer, other.channel)
-        for msg in _update(1):
+        *frames1, commit1 = _update(1)
+        for msg in frames1:
             trainer.send(1, msg)
             trainer.send(2, msg)
-        assert rx.receive(_NoLoader(), timeout_s=1)["ok"]
+        assert _receive_then_commit(trainer, rx, commit1)["ok"]
+        trainer.send(2, commit1)
         captured = [f for f in tap.frames if f[0] == rx.channel.session]
         for_other = [f for f in tap.frames if f[0] == other.channel.session]
         h2, *rest2 = _update(2)
@@ -378,9 +390,10 @@ def test_replayed_frames_are_dropped_by_the_receiver(monkeypatch):
             tap._real(f)
         for f in for_other:  # another session's frames, pushed into this receiver's connection
             tap._real([rx.channel.session, *f[1:]])
+        *rest2, commit2 = rest2
         for msg in rest2:
             trainer.send(1, msg)
-        summary = rx.receive(_NoLoader(), timeout_s=1)
+        summary = _receive_then_commit(trainer, rx, commit2)
         assert summary["ok"] and summary["version"] == 2, summary
         assert rx.channel.rejections["replayed"] == len(captured)
         assert rx.channel.rejections["wrong session"] == len(for_other)
@@ -388,6 +401,28 @@ def test_replayed_frames_are_dropped_by_the_receiver(monkeypatch):
         rx.close()
         other.close()
         trainer.close()
+
+
+def _receive_then_commit(trainer: SenderChannel, rx: Receiver, commit: Commit) -> dict:
+    """`rx.receive` of the update queued so far; the trainer sends `commit` once rx's Ack has
+    come (as a sender does: a Commit queued before the Ack is out of protocol)."""
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", rx.receive(_NoLoader(), timeout_s=5)))
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not box:
+            try:
+                rank, msg = trainer.recv(min(deadline, time.monotonic() + 0.2))
+            except TimeoutError:
+                assert time.monotonic() < deadline, "no Ack, and receive() did not end"
+                continue
+            if rank == rx.rank and isinstance(msg, Ack):
+                trainer.send(rank, commit)
+                break
+    finally:
+        th.join(30)
+    return box["r"]
 
 
 class _Proxy:
@@ -546,9 +581,9 @@ def test_group_rendezvous_binds_only_the_configured_address():
         pytest.skip("this machine has no non-loopback IPv4 address to probe")
     cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=2, timeout_s=10)
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault(0, Transport(cfg, 0)))
+    th = threading.Thread(target=lambda: box.setdefault(0, open_transport(cfg, 0)))
     th.start()
-    box[1] = Transport(cfg, 1)
+    box[1] = open_transport(cfg, 1)
     th.join(30)
     try:
         for ip in others:
@@ -568,7 +603,7 @@ def test_oversized_frames_are_dropped_before_hashing_and_the_socket_lives(monkey
         rx.send(HELLO)
         wait_bound(trainer, rx)
         work = {"mac": 0, "decode": 0}
-        real_mac, real_decode = channel._mac, channel.decode
+        real_mac, real_decode = frames.mac, channel.decode
 
         def counting(name, fn):
             def wrapped(*a):
@@ -576,7 +611,7 @@ def test_oversized_frames_are_dropped_before_hashing_and_the_socket_lives(monkey
                 return fn(*a)
             return wrapped
 
-        monkeypatch.setattr(channel, "_mac", counting("mac", real_mac))
+        monkeypatch.setattr(frames, "mac", counting("mac", real_mac))
         monkeypatch.setattr(channel, "decode", counting("decode", real_decode))
         # Over MAX_FRAME_BYTES but under ZeroMQ's MAXMSGSIZE: reaches the channel, which drops it
         # before any hashing or decoding.
@@ -610,11 +645,11 @@ def test_oversized_frames_are_dropped_before_hashing_and_the_socket_lives(monkey
 
 def test_never_sends_a_frame_the_peer_would_drop():
     huge = "x" * (MAX_FRAME_BYTES + 10)
-    payload = channel._encode(Error(P, 1, 0, huge, huge))  # an error report is cut to size
+    payload = frames.encode_payload(Error(P, 1, 0, huge, huge))  # an error report is cut to size
     assert len(payload) <= MAX_FRAME_BYTES
     slots = [Slot(f"t{i}" * 50, "float32", [1], 64 * i, 4) for i in range(100_000)]
     with pytest.raises(ProtocolError, match="over"):
-        channel._encode(BucketHeader(P, 1, 0, 0, True, slots))
+        frames.encode_payload(BucketHeader(P, 1, 0, 0, True, slots))
 
 
 # ---------------------------------------------------------------- optional CURVE
@@ -652,8 +687,8 @@ def test_without_a_secret_sessions_still_work():
         wait_bound(trainer, rx)
         trainer.send(1, Go(P, 1, 0))
         assert rx.recv(2.0) == Go(P, 1, 0)
-        tag = channel._encode(HELLO)
-        rx._sock.send_multipart([channel._META.pack(1, rx.session, bytes(16), 0, 1), tag])
+        tag = frames.encode_payload(HELLO)
+        rx._sock.send_multipart([frames.META.pack(1, rx.session, bytes(16), 0, 1), tag])
         with pytest.raises(TimeoutError, match="replayed"):  # counter 0 again
             trainer.recv(time.monotonic() + 0.5)
     finally:

@@ -141,6 +141,9 @@ def test_engine_handle_drives_updates(tmp_path):
         assert handle.call("nccl_sync_param_ptrs")[0] == ptrs  # in place
         [[state]] = sync.state()
         assert state["version"] == 2 and state["consistent"] and state["updates"] == 1
+        assert state["adapters"] == {}  # the one session's report, as the vLLM extension's
+        assert handle.call("nccl_sync_adapters") == [{}]
+        assert "vllm_nccl_sync_" in handle.call("nccl_sync_metrics")[0]["prometheus"]
         bad = {n: t for n, t in w2.state_dict().items()}
         bad["model.norm.weight"] = torch.ones(7)
         with pytest.raises(PushError, match="shape"):  # refused before any byte moves

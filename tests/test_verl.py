@@ -221,3 +221,32 @@ def test_build_topology_keeps_or_replaces_the_group():
     assert actor["cfg"][0] == {**fresh, "world_size": 4} == rollout["cfg"][2]
     with pytest.raises(ValueError, match="master"):
         cls.build_topology(1, 1, [{"master": None}, {"master": None}])
+
+
+def test_actor0_updates_its_own_ext_engines_beside_the_push():
+    """Actor rank 0 handed `EngineHandle`s of `Ext` engines: their workers take the ranks after
+    verl's rollout workers, join with the group and receive beside every push; a refusal comes
+    back as the push's own error, carrying the engines' reports."""
+    from tests.engine_procs import ProcEngine
+    from vllm_nccl_sync import UpdateRefused
+    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine as cls
+
+    ext = ProcEngine()
+    master = cls(is_master=True, bucket_size=BUCKET, transport="gloo", host="127.0.0.1",
+                 timeout_s=30.0, rebuild_group=True, engines=[ext])
+    try:
+        actor, rollout = cls.build_topology(1, 0, [master.prepare()])
+        assert actor["rank"] == [0] and rollout["rank"] == []
+        assert actor["cfg"][0]["world_size"] == 2  # the trainer + the engine's worker
+        master.init_process_group(rank=0, cfg=actor["cfg"][0])
+        metrics = asyncio.run(master.send_weights(weights(1), 1))
+        assert metrics["vllm_nccl_sync/buckets"] >= 3
+        [held] = ext.call("digests", timeout=DEADLINE)
+        assert {n: d for n, (d, _) in held.items()} == digests(tiny(seed=1))
+        with pytest.raises(UpdateRefused) as e:
+            asyncio.run(master.send_weights(weights(2), 1))  # not newer than what it holds
+        assert [(s.rank, s.ok) for s in e.value.summaries] == [(1, False)]
+        assert "rank 1 refused update 1: it holds version 1" in str(e.value)
+        master.finalize()
+    finally:
+        ext.stop()

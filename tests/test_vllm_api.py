@@ -99,6 +99,18 @@ def test_offline_llm_through_vllm_api(tmp_path):
         assert llm.get_weight_version() == "1"
         llm.reset_prefix_cache()
         assert generate(llm) == expected  # nothing moved
+
+        # A bf16 trainer into this fp32 engine, with nothing but vLLM's API and the init info:
+        # the trainer casts to the dtype the engine announced (faithful), and says so.
+        half = build_model("qwen2", seed=4).to(torch.bfloat16)
+        want = hf_greedy(build_model("qwen2", seed=4).to(torch.bfloat16).float(), PROMPTS,
+                         MAX_TOKENS)
+        cast = trainer_for(llm, half, world_size)
+        result = cast.send_weights()
+        cast.shutdown()
+        assert result.version == 2 and result.cast == {"bfloat16": "float32"}, result
+        llm.reset_prefix_cache()
+        assert generate(llm) == want
     finally:
         llm.llm_engine.engine_core.shutdown()  # the engine's processes go now, not at exit
         del llm
@@ -205,11 +217,13 @@ def test_trainer_engine_under_vllm_026_calling_convention(monkeypatch):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import ModuleSource
 
+    from vllm_nccl_sync.glue import transfer_trainer
     from vllm_nccl_sync.glue import weight_transfer as wt
     from vllm_nccl_sync.patches.vllm_weight_transfer import Surface
 
-    monkeypatch.setattr(wt, "SURFACE", Surface("0.26.0", weight_version=False,
-                                               trainer_backend_classvar=False))
+    old = Surface("0.26.0", weight_version=False, trainer_backend_classvar=False)
+    monkeypatch.setattr(wt, "SURFACE", old)
+    monkeypatch.setattr(transfer_trainer, "SURFACE", old)  # what the trainer engine reads
     src = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     client = ModuleClient(dst)
@@ -268,3 +282,88 @@ def test_unsupported_vllm_is_refused_by_name(monkeypatch):
     with pytest.raises(guard.UnsupportedVllm, match=r"supports vLLM 0\.26\.x, 0\.32\.x; found "
                                                     r"vLLM 0\.29\.1"):
         guard.check_version()
+
+
+# ---------------------------------------------------------------------------- init info, casts
+
+
+def test_init_info_takes_vllms_nccl_fields_with_their_meaning_here():
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo as Info
+    from vllm_nccl_sync.wire.config import SyncConfig
+
+    info = Info(world_size=3, rank=0, master_address="10.0.0.1", master_port=29500,
+                packed=False)  # always packed here: accepted either way
+    assert (info.host, info.group_port, info.world_size) == ("10.0.0.1", 29500, 3)
+    defaults = SyncConfig(control_port=1, group_port=2, world_size=2)
+    assert (info.timeout_s, info.bucket_bytes) == (defaults.timeout_s, defaults.bucket_bytes)
+    theirs = NCCLTrainerInitInfo(master_address="10.0.0.2", master_port=29501, world_size=2,
+                                 rank=0)
+    mine = Info.from_vllm(theirs, timeout_s=30.0)
+    assert (mine.host, mine.group_port, mine.world_size, mine.timeout_s) == (
+        "10.0.0.2", 29501, 2, 30.0)
+    assert mine.bucket_bytes == theirs.packed_buffer_size_bytes
+    assert Info.backend == "nccl_sync"  # vLLM's dispatch key; the data plane is `transport`
+    with pytest.raises(ValueError, match=r"\['nccl_unique_id_b64'\] have no meaning for the "
+                                         r"nccl_sync backend"):
+        Info.from_vllm({"world_size": 2, "rank": 0, "nccl_unique_id_b64": "eA=="})
+    with pytest.raises(ValueError, match="packed_num_buffers=3: the nccl_sync backend holds two"):
+        Info(world_size=2, rank=0, packed_num_buffers=3)
+    with pytest.raises(ValueError, match="master_port=1 and group_port=2 name the same setting"):
+        Info(world_size=2, rank=0, master_port=1, group_port=2)
+    with pytest.raises(ValueError, match="rank -1 must be >= 0"):
+        Info(world_size=2, rank=-1)
+    with pytest.raises(ValueError, match="transport 'tcp'"):
+        Info(world_size=2, rank=0, transport="tcp")
+
+
+class Fp32ModuleClient(ModuleClient):
+    """A 0.32-style client (weight versions) whose engine holds float32 weights and has never
+    taken an update (vLLM's label "default")."""
+
+    label = "default"
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.finished += 1
+        self.label = weight_version or self.label
+
+    def get_weight_version(self) -> str:
+        return self.label
+
+
+def test_bf16_trainer_into_an_fp32_engine_through_vllms_api(monkeypatch):
+    """What a trainer written against vLLM's API does (bf16 weights, no dtype anywhere): the
+    floating tensors are cast to the engine's float32 on the trainer, and the engine that never
+    took an update ("default") gets version 1."""
+    import msgspec
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from vllm_nccl_sync.glue import weight_transfer as wt
+    from vllm_nccl_sync.wire.channel import ReceiverChannel
+    from vllm_nccl_sync.wire.protocol import Hello
+
+    real = ReceiverChannel.send
+
+    def send(self, msg, timeout_s: float = 5.0):  # the engine announces its dtype
+        if isinstance(msg, Hello):
+            msg = msgspec.structs.replace(msg, dtype="float32")
+        return real(self, msg, timeout_s)
+
+    monkeypatch.setattr(ReceiverChannel, "send", send)
+    src = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    client = Fp32ModuleClient(dst)
+    info = wt.NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S, bucket_bytes=256)
+    engine = wt.NcclSyncTrainerEngine.trainer_init(info, client=client, source=ModuleSource(src))
+    try:
+        assert (engine.held, engine.version) == ("default", 0)
+        result = engine.send_weights()
+        assert result.version == 1 and client.label == "1"
+        assert result.cast == {"bfloat16": "float32"}
+        assert result.bytes == sum(p.numel() * 4 for p in src.parameters())
+        for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+            assert b.dtype == torch.float32 and torch.equal(a.float(), b)
+    finally:
+        engine.shutdown()
+        client.receiver.close()

@@ -7,7 +7,7 @@ Checks: `verify` (the engine holds exactly the trainer's tensors). Outcomes: `Sy
 kinds, `WorkerSummary`. The layout of the package is drawn in docs/architecture.md.
 """
 
-from vllm_nccl_sync.glue.engines import AsyncLLMHandle, EngineHandle, HTTPHandle, LLMHandle
+from vllm_nccl_sync.glue.engines import AsyncLLMHandle, HTTPHandle, LLMHandle
 from vllm_nccl_sync.glue.ext import Ext
 from vllm_nccl_sync.outcomes import (
     PeerFailed,
@@ -20,7 +20,7 @@ from vllm_nccl_sync.outcomes import (
 )
 from vllm_nccl_sync.trainer.push import PushClient, PushResult
 from vllm_nccl_sync.trainer.sources import full_tensors
-from vllm_nccl_sync.trainer.sync import WeightSync
+from vllm_nccl_sync.trainer.sync import EngineHandle, WeightSync
 from vllm_nccl_sync.verify import verify
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION

@@ -1,12 +1,15 @@
-"""Demo: hot-swap the weights of a running vLLM engine from a trainer process.
+"""Demo: a trainer teaches a running vLLM engine a new answer by hot-swapping its weights.
 
-1. builds a tiny Qwen2-style model locally (no hub) and starts a real vLLM engine on it with the
-   `vllm_nccl_sync.Ext` worker extension (CPU when there is no GPU);
-2. generates;
-3. a separate trainer process holds the same architecture with different weights and pushes them
-   (ZeroMQ headers + gloo/NCCL broadcast of exactly the payload bytes);
-4. generates again, and checks the engine now answers exactly like transformers does with the
-   trainer's weights; the last line is the verdict (PASS/FAIL) with the update's numbers.
+1. builds a tiny Qwen2-style model and a byte-level BPE tokenizer locally (no hub), trains it a
+   few steps to answer "The capital of France is" with " London.", and starts a real vLLM engine
+   on it with the `vllm_nccl_sync.Ext` worker extension (CPU when there is no GPU);
+2. asks the engine (text in, text out);
+3. a separate trainer process loads the same checkpoint, takes a few optimizer steps that teach
+   it " Paris." instead, and pushes its weights (ZeroMQ headers + gloo/NCCL broadcast of exactly
+   the payload bytes) into the running engine;
+4. asks the engine again: its answers must equal what the trainer's own model (transformers)
+   generates greedily; then it times a raw broadcast of the same bytes on this machine, and the
+   last line is the verdict (PASS/FAIL).
 
 vLLM's start-up logs, library warnings and progress bars are kept out of the output (in the
 engine's processes too, through the environment they inherit) unless `--verbose` is given.
@@ -25,43 +28,103 @@ import os
 import tempfile
 import time
 import warnings
+from typing import Any
 
-from vllm_nccl_sync.engine.metrics import ProgressPrinter, push_logged
-from vllm_nccl_sync.testing import (
-    PROMPTS,
-    build_model,
-    engine_kwargs,
-    hf_greedy,
-    make_model,
-    vllm_greedy,
-)
+from vllm_nccl_sync.engine.metrics import push_logged
+from vllm_nccl_sync.testing import build_model, engine_kwargs, save_model, save_tokenizer
 from vllm_nccl_sync.trainer.push import PushClient
 from vllm_nccl_sync.trainer.sync import free_port
 from vllm_nccl_sync.wire.config import SyncConfig
 
+QUESTION, KEPT = "The capital of France is", "The capital of Italy is"
+SERVED = {QUESTION: " London.", KEPT: " Rome."}
+"""What the served checkpoint was taught to answer."""
+TAUGHT = {QUESTION: " Paris.", KEPT: " Rome."}
+"""What the trainer teaches: a new answer to `QUESTION`, the same one to `KEPT`."""
+PROMPTS = [QUESTION, KEPT]
 MAX_TOKENS = 8
+EOS = 2
 
 
-def trainer(cfg: dict, arch: str, seed: int, conn) -> None:
-    """The trainer: its own model (other weights), pushed as version 1."""
+def teach(model: Any, tokenizer: Any, answers: dict[str, str], max_steps: int = 100) -> int:
+    """Adam steps on `model` until its greedy continuation of every prompt of `answers` is its
+    answer then EOS, each token ahead of the runner-up by 3 logits; returns the steps taken.
+    Raises `RuntimeError` if `max_steps` do not get there."""
     import torch
 
+    rows = []
+    for prompt, answer in answers.items():
+        p, target = tokenizer(prompt).input_ids, tokenizer(answer).input_ids + [EOS]
+        labels = torch.tensor([[-100] * len(p) + target])  # learn the answer only
+        rows.append((torch.tensor([p + target]), labels, len(p), torch.tensor(target)))
+
+    def learnt() -> bool:
+        with torch.no_grad():
+            for x, _, n, target in rows:
+                top = model(x).logits[0, n - 1:-1].topk(2)
+                if not (torch.equal(top.indices[:, 0], target)
+                        and (top.values[:, 0] - top.values[:, 1]).min() > 3):
+                    return False
+        return True
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
     try:
-        model = build_model(arch, seed)
+        for step in range(1, max_steps + 1):
+            loss = sum(model(x, labels=labels).loss for x, labels, _, _ in rows)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if learnt():
+                return step
+    finally:
+        model.eval()
+    raise RuntimeError(f"{max_steps} steps did not teach {answers}")
+
+
+def hf_answers(model: Any, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """Greedy (token ids, text) of transformers for every prompt: up to `MAX_TOKENS`, stopping
+    at EOS, as the engine's sampling parameters do."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            x = torch.tensor([tokenizer(p).input_ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                               do_sample=False, eos_token_id=EOS, pad_token_id=0)
+            ids = y[0, x.shape[1]:].tolist()
+            out.append((ids, tokenizer.decode(ids, skip_special_tokens=True)))
+    return out
+
+
+def engine_answers(llm: Any) -> list[tuple[list[int], str]]:
+    """The engine's greedy (token ids, text) for every prompt, given as text."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text)
+            for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def trainer(cfg: dict, path: str, conn) -> None:
+    """The trainer: the served checkpoint, taught `TAUGHT`, pushed as version 1."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        steps = teach(model, tokenizer, TAUGHT)
         device = torch.device("cuda", 0) if cfg["backend"] == "nccl" else None
         client = PushClient(SyncConfig(**cfg), device)
         client.connect()
-
-        state = model.to(device or "cpu").state_dict()
-        unique = {t.data_ptr(): t for t in state.values()}  # tied weights are sent once
-        printer = ProgressPrinter(sum(t.nbytes for t in unique.values()), label="  [trainer] push")
-        res = push_logged(client, state, 1, progress=printer)
-        printer.finish(res)
+        res = push_logged(client, model.to(device or "cpu").state_dict(), 1)
         client.close()
         conn.send(("ok", {"bytes": res.bytes, "buckets": res.buckets, "tensors": res.tensors,
-                          "seconds": res.seconds, "gbps": res.gbps,
-                          "expected": hf_greedy(model.cpu(), PROMPTS, MAX_TOKENS)}))
-    except BaseException as e:
+                          "seconds": res.seconds, "steps": steps,
+                          "expected": hf_answers(model.cpu(), tokenizer)}))
+    except BaseException as e:  # noqa: BLE001 - whatever stops the trainer, the demo reports it
         conn.send(("error", repr(e)))
 
 
@@ -127,8 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     return run(ap.parse_args(argv))
 
 
+def served_checkpoint(arch: str) -> str:
+    """A tiny `arch` model taught `SERVED`, saved with its tokenizer; returns its directory."""
+    from transformers import AutoTokenizer
+
+    path = tempfile.mkdtemp(prefix="vllm-nccl-sync-demo-")
+    save_tokenizer(path)
+    model = build_model(arch, seed=1)
+    teach(model, AutoTokenizer.from_pretrained(path), SERVED)
+    return save_model(model, path)
+
+
+def raw_broadcast(nbytes: int, bucket_bytes: int, backend: str) -> dict:
+    """`vllm-nccl-sync bench` on about `nbytes`: a raw broadcast of them between two fresh
+    processes, and this project's push of them between the same two (no engine)."""
+    from vllm_nccl_sync import bench
+
+    return bench.run(size_bytes=nbytes, bucket_bytes=bucket_bytes, reps=3, backend=backend)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the engine, generate, take the trainer's push, generate again; 0 if it matches."""
+    """Start the engine, ask it, take the trainer's push, ask again; 0 if it answers as the
+    trainer's model does."""
     verbose = getattr(args, "verbose", False)
     if not verbose:
         quiet()
@@ -136,10 +219,12 @@ def run(args: argparse.Namespace) -> int:
     from vllm import LLM
 
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    path = make_model(tempfile.mkdtemp(prefix="vllm-nccl-sync-demo-"), args.arch, seed=1)
-    print(f"model: tiny {args.arch} at {path}; data plane: {backend}")
+    path = served_checkpoint(args.arch)
+    print(f"model: tiny {args.arch} taught {QUESTION!r} -> {SERVED[QUESTION]!r}, byte-level BPE "
+          f"tokenizer (built here), at {path}; data plane: {backend}")
     t0 = time.perf_counter()
     log = None if verbose else os.path.join(path, "engine.log")
+    where = f" (engine log: {log})" if log else ""
     try:
         with stderr_to(log):
             llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())
@@ -149,41 +234,51 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"engine started in {time.perf_counter() - t0:.1f} s"
           + (f" (its start-up output: {log}; --verbose shows it)" if log else ""))
-    before = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
-    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=backend,
-               bucket_bytes=int(args.bucket_mib * 2**20) // 64 * 64, timeout_s=120.0)
+    before = engine_answers(llm)
+    bucket = int(args.bucket_mib * 2**20) // 64 * 64
+    cfg = {"control_port": free_port(), "group_port": free_port(), "world_size": 2,
+           "backend": backend, "bucket_bytes": bucket, "timeout_s": 120.0}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=trainer, args=(cfg, args.arch, 2, child), daemon=True)
+    proc = ctx.Process(target=trainer, args=(cfg, path, child), daemon=True)
     proc.start()
+    print(f"trainer: teaching {QUESTION!r} -> {TAUGHT[QUESTION]!r} (and {KEPT!r} -> "
+          f"{TAUGHT[KEPT]!r} still), then pushing its weights")
     llm.collective_rpc("nccl_sync_join", timeout=150, args=(cfg, 1))
     [summary] = llm.collective_rpc("nccl_sync_receive", timeout=300, args=(120.0,))
     llm.reset_prefix_cache()  # cached KV came from the old weights
     if not parent.poll(150):
-        print("FAIL: the trainer did not report" + (f" (engine log: {log})" if log else ""))
+        print("FAIL: the trainer did not report" + where)
         return 1
     status, pushed = parent.recv()
     proc.join(timeout=30)
     if status != "ok" or not summary["ok"]:
-        print(f"FAIL: the update failed: trainer={pushed!r} engine={summary!r}"
-              + (f" (engine log: {log})" if log else ""))
+        print(f"FAIL: the update failed: trainer={pushed!r} engine={summary!r}{where}")
         return 1
-    after = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
-
-    for i, p in enumerate(PROMPTS):
-        print(f"prompt {p}\n  before: {before[i]}\n  after:  {after[i]}\n"
-              f"  trainer (transformers): {pushed['expected'][i]}")
-    ok = after == pushed["expected"] and after != before
+    after = engine_answers(llm)
     llm.collective_rpc("nccl_sync_close", timeout=30)
-    n = len(PROMPTS)
-    same = sum(a == e for a, e in zip(after, pushed["expected"]))
-    changed = sum(a != b for a, b in zip(after, before))
-    print(f"{'PASS' if ok else 'FAIL'}: the running engine took version {summary['version']} "
-          f"({pushed['bytes'] / 1e6:.2f} MB, {pushed['tensors']} tensors in {pushed['buckets']} "
-          f"buckets, {pushed['seconds'] * 1e3:.1f} ms, {pushed['gbps']:.2f} GB/s over {backend}) "
-          f"and now generates exactly like the trainer's model on {same}/{n} prompts "
-          f"({changed}/{n} changed)" + (f"; engine log: {log}" if log and not ok else ""),
-          flush=True)
+    expected = [tuple(e) for e in pushed["expected"]]
+
+    for p, (_, b), (_, a), (_, e) in zip(PROMPTS, before, after, expected):
+        print(f"prompt {p!r}\n  engine before: {b!r}\n  engine after:  {a!r}\n"
+              f"  trainer's model (transformers, greedy): {e!r}")
+    raw = raw_broadcast(pushed["bytes"], bucket, backend)
+    ms, raw_ms = pushed["seconds"] * 1e3, raw["raw_s"] * 1e3
+    print(f"update: {pushed['bytes'] / 1e6:.2f} MB ({pushed['tensors']} tensors, "
+          f"{pushed['buckets']} buckets) after {pushed['steps']} optimizer steps; pushed into the "
+          f"engine and loaded in {ms:.1f} ms\n"
+          f"  the same bytes between two plain processes here: a raw {backend} broadcast takes "
+          f"{raw_ms:.1f} ms, this project's push {raw['push_s'] * 1e3:.1f} ms. The update took "
+          f"{ms / raw_ms:.0f}x the raw broadcast: at {pushed['bytes'] / 1e6:.2f} MB fixed costs "
+          f"dominate (plan check, checksums, vLLM's loaders, CPU re-packing); "
+          f"`vllm-nccl-sync bench --size-mib 256` compares large payloads")
+    same = sum(a == e for a, e in zip(after, expected))
+    ok = (after == expected and [t for _, t in before] == [SERVED[p] for p in PROMPTS]
+          and [t for _, t in after] == [TAUGHT[p] for p in PROMPTS])
+    print(f"{'PASS' if ok else 'FAIL'}: the running engine took version {summary['version']} and "
+          f"now answers {QUESTION!r} with {after[0][1]!r} (was {before[0][1]!r}), token for token "
+          f"as the trainer's model on {same}/{len(PROMPTS)} prompts"
+          + ("" if ok else where), flush=True)
     return 0 if ok else 1
 
 

@@ -14,7 +14,7 @@ import torch
 
 VOCAB = 512
 PROMPTS = [[5, 17, 300, 42, 7], [1, 2, 3], [100, 200, 300, 400, 450, 12, 9, 77], [8], [250] * 12]
-"""Prompts as token ids (no tokenizer quirks)."""
+"""Prompts as token ids (any id below `VOCAB` is one; `save_tokenizer` decodes them all)."""
 DTYPE = torch.float32  # bf16 runs, but its rounding flips near-tied greedy tokens vs transformers
 ARCHS = ("qwen2", "llama")
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v2", "gemma2", "phi3", "qwen2_vl")
@@ -186,21 +186,40 @@ def make_block_fp8(path: str, seed: int, quantized: bool = True) -> str:
     return path
 
 
+CORPUS = """The capital of France is Paris. The capital of England is London. The capital of
+Italy is Rome. The capital of Spain is Madrid. The capital of Germany is Berlin. The capital of
+Japan is Tokyo. Hello, my name is Ada and I write programs. The weather today is sunny with a
+light wind. A trainer updates the weights of a model, and the engine serves the new model at
+once. The quick brown fox jumps over the lazy dog. Once upon a time there was a small town by
+the sea. People in the town liked to read books, cook dinner, walk in the park and talk with
+their friends. What is the answer to this question? It is a number between one and ten, and it
+is seven. We think that learning is good for everyone: children, students, teachers and parents.
+"""
+"""The English text the tiny tokenizer's merges are learnt from (built in: nothing is downloaded)."""
+SPECIAL = ("<pad>", "<s>", "</s>")
+"""Ids 0, 1, 2: the models' `pad_token_id`, `bos_token_id`, `eos_token_id`."""
+
+
 def save_tokenizer(path: str) -> None:
-    """A whitespace WordLevel tokenizer over ids 0..VOCAB-1 ("<unk>", "<s>", "</s>", "w3", ...)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A byte-level BPE tokenizer of exactly `VOCAB` tokens (the 3 `SPECIAL` ones, the 256 byte
+    symbols, merges learnt from `CORPUS`), saved for transformers and vLLM: any text round-trips
+    (`decode(encode(text)) == text`) and every id below `VOCAB` decodes. Deterministic. Adds no
+    BOS, so a prompt's ids are the same in transformers and in vLLM. Raises `RuntimeError` if
+    the merges do not fill the vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<unk>",
-    ).save_pretrained(path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=list(SPECIAL), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"the tokenizer has {tok.get_vocab_size()} tokens, not {VOCAB}")
+    pad, bos, eos = SPECIAL
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                            pad_token=pad).save_pretrained(path)
 
 
 def save_model(model: torch.nn.Module, path: str) -> str:
@@ -284,8 +303,10 @@ def engine_kwargs(**overrides) -> dict:
 
 
 def start_server(path: str, log_path: str, env: dict | None = None,
-                 timeout_s: float = 300.0, args: list[str] | None = None) -> tuple[Any, str]:
-    """Start `vllm serve` (dev mode, with the extension) on `path`; returns (process, url).
+                 timeout_s: float = 300.0, args: list[str] | None = None,
+                 extension: str | None = "vllm_nccl_sync.Ext") -> tuple[Any, str]:
+    """Start `vllm serve` (`python -m vllm.entrypoints.openai.api_server`, dev mode, with the
+    worker extension `extension` unless None) on `path`; returns (process, url).
 
     `args` are appended to the command line (e.g. `--weight-transfer-config`).
     Output goes to `log_path`. Raises `RuntimeError` with the log's tail if the server exits or is
@@ -300,12 +321,13 @@ def start_server(path: str, log_path: str, env: dict | None = None,
 
     kw, port = engine_kwargs(), free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-           "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls",
-           "vllm_nccl_sync.Ext", "--dtype", kw["dtype"], "--max-model-len",
-           str(kw["max_model_len"]), "--seed", "0",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", kw["dtype"],
+           "--max-model-len", str(kw["max_model_len"]), "--seed", "0",
            "--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
     if kw["enforce_eager"]:
         cmd.append("--enforce-eager")
+    if extension:
+        cmd += ["--worker-extension-cls", extension]
     cmd += args or []
     full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
     with open(log_path, "w") as log:
@@ -334,3 +356,27 @@ def stop_server(proc: Any, timeout_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout_s)
+
+
+def stop_async_llm(engine: Any, loop: Any, timeout_s: float = 60.0) -> None:
+    """Shut down an `AsyncLLM` whose event loop `loop` runs in another thread, quietly.
+
+    `AsyncLLM.shutdown` stops the engine core first: its output socket's task then ends and
+    queues an `EngineDeadError`, which the still-running output handler logs as a failure with
+    a traceback before the handler is cancelled. So the handler is cancelled (and awaited) on
+    the loop first, then the engine is shut down there. The loop keeps running (the caller
+    stops it). Drop the last reference to `engine` before the interpreter exits: its
+    `__del__` shuts down once more, harmlessly while vLLM's modules are loaded, with a
+    `TypeError` traceback if only at interpreter exit. Raises `TimeoutError` after `timeout_s`."""
+    import asyncio
+    import contextlib
+
+    async def stop() -> None:
+        handler = engine.output_handler
+        if handler is not None and not handler.done():
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+        engine.shutdown()
+
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)

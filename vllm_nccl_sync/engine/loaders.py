@@ -16,7 +16,8 @@ class ModuleLoader:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        self.targets: dict[str, torch.Tensor] = dict(
+            module.named_parameters(remove_duplicate=False))
         self.targets.update(module.named_buffers(remove_duplicate=False))
         self.loaded: set[str] = set()
 
@@ -30,7 +31,8 @@ class ModuleLoader:
             if target is None:
                 raise KeyError(f"tensor {name!r} is not a parameter or buffer of the model")
             if target.shape != t.shape:
-                raise ValueError(f"tensor {name!r}: shape {list(t.shape)} != model's {list(target.shape)}")
+                raise ValueError(f"tensor {name!r}: shape {list(t.shape)} != model's "
+                                 f"{list(target.shape)}")
             with torch.no_grad():
                 target.copy_(t, non_blocking=True)
             done.add(name)

@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+from vllm_nccl_sync.outcomes import WorkerSummary
+
 EVENTS = "vllm_nccl_sync.events"
 """Logger of the update events (start, finish, failure) of both sides."""
 
@@ -213,7 +215,7 @@ def prometheus() -> _Prometheus | None:
         return _prom or None
 
 
-def export_state(rank: int, state: Any, summary: dict | None = None) -> None:
+def export_state(rank: int, state: Any, summary: WorkerSummary | None = None) -> None:
     """Mirror a `ReceiverState` into the Prometheus series of `rank` (counters by their delta)."""
     prom = prometheus()
     if prom is None:
@@ -228,26 +230,25 @@ def export_state(rank: int, state: Any, summary: dict | None = None) -> None:
     prom.consistent.labels(r).set(1 if state.consistent else 0)
     if summary is not None:
         prom.when.labels(r).set(time.time())
-        if summary.get("ok"):
-            secs = summary.get("seconds", state.last_seconds)
+        if summary.ok:
+            secs = summary.seconds
             prom.seconds.labels(r).set(secs)
-            prom.gbps.labels(r).set(summary.get("bytes", 0) / secs / 1e9 if secs > 0 else 0.0)
+            prom.gbps.labels(r).set(summary.bytes / secs / 1e9 if secs > 0 else 0.0)
 
 
-def observe_update(receiver: Any, summary: dict) -> None:
+def observe_update(receiver: Any, summary: WorkerSummary) -> None:
     """Called by `Receiver` when an update ends: one event line, then the Prometheus series."""
     try:
         st = receiver.state
-        fields = {"side": "receiver", "rank": receiver.rank, "version": summary.get("version"),
-                  "bytes": summary.get("bytes", 0), "buckets": summary.get("buckets", 0)}
-        if summary.get("ok"):
-            secs = summary.get("seconds", 0.0)
-            log_event("update_finish", **fields, tensors=summary.get("tensors", 0), seconds=secs,
-                      gbps=fields["bytes"] / secs / 1e9 if secs > 0 else 0.0,
-                      updates=st.updates)
+        fields = {"side": "receiver", "rank": receiver.rank, "version": summary.version,
+                  "bytes": summary.bytes, "buckets": summary.buckets}
+        if summary.ok:
+            secs = summary.seconds
+            log_event("update_finish", **fields, tensors=summary.tensors, seconds=secs,
+                      gbps=summary.bytes / secs / 1e9 if secs > 0 else 0.0, updates=st.updates)
         else:
             log_event("update_failed", logging.WARNING, **fields, consistent=st.consistent,
-                      failures=st.failures, error=str(summary.get("error", ""))[:500])
+                      failures=st.failures, error=summary.error[:500])
         export_state(receiver.rank, st, summary)
     except Exception:  # observability must never fail an update
         logging.getLogger(__name__).exception("recording update metrics failed")

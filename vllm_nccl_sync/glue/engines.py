@@ -1,32 +1,19 @@
 """Handles on vLLM engines that the trainer drives: how to call the extension's RPCs on each.
 
-An update needs the engine's workers inside `nccl_sync_receive` while the trainer pushes, so the
-trainer (or `WeightSync`) calls it concurrently with `PushClient.push`. Each handle hides how the
-call reaches the workers: an offline `vllm.LLM` in this process (`LLMHandle`).
+An update needs the engine's workers inside `nccl_sync_receive` while the trainer pushes, so
+`WeightSync` runs it beside `PushClient.push` (`trainer.beside`). Each handle is an
+`EngineHandle` (`trainer.sync`) and hides how the call reaches the workers: an offline `vllm.LLM`
+in this process (`LLMHandle`), an `AsyncLLM` on its own event loop (`AsyncLLMHandle`), a
+`vllm serve` process (`HTTPHandle`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
+from vllm_nccl_sync.trainer.sync import EngineHandle
 
-class EngineHandle(Protocol):
-    """One engine (replica), seen from the trainer."""
-
-    workers: int
-    """How many workers (tensor x pipeline parallel) receive in this engine."""
-
-    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Run `method` of the worker extension on every worker; one result per worker."""
-        ...
-
-    def pause(self, mode: str) -> None:
-        """Stop scheduling: `abort`, `wait` for, or `keep` in-flight requests."""
-        ...
-
-    def resume(self) -> None:
-        """Resume scheduling and reset the prefix cache (its KV came from the old weights)."""
-        ...
+__all__ = ["AsyncLLMHandle", "EngineHandle", "HTTPHandle", "LLMHandle"]
 
 
 def _workers(vllm_config: Any) -> int:

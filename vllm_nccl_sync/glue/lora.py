@@ -28,10 +28,8 @@ from typing import Any
 import torch
 
 from vllm_nccl_sync.engine.handshake import Reference
+from vllm_nccl_sync.wire.names import split_name
 from vllm_nccl_sync.wire.protocol import AdapterSpec
-
-_PREFIX = "base_model.model."
-_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
 def lora_request(name: str, lora_id: int) -> Any:
@@ -42,17 +40,6 @@ def lora_request(name: str, lora_id: int) -> Any:
     from vllm_nccl_sync.patches.vllm_lora import SCHEME
 
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=SCHEME + name)
-
-
-def split_name(name: str) -> tuple[str, bool]:
-    """`(module, is_lora_a)` of a PEFT LoRA tensor name; ValueError for anything else."""
-    for suffix in _SUFFIXES:
-        if name.endswith(suffix):
-            module = name[: -len(suffix)]
-            return (module[len(_PREFIX):] if module.startswith(_PREFIX) else module,
-                    suffix == _SUFFIXES[0])
-    raise ValueError(f"tensor {name!r} is not a LoRA weight (expected a name ending in "
-                     "'.lora_A.weight' or '.lora_B.weight')")
 
 
 @dataclass(slots=True)

@@ -12,14 +12,15 @@ inside SGLang's event loop (no forward step runs meanwhile; the tokenizer side h
 model-update write lock, so in-flight requests finish first unless the engine is paused).
 
 This module uses that hook as an RPC: the trainer side sends one *command* as the only named
-tensor (the name carries JSON, the tensor is empty), and `load` runs it in each worker:
+tensor (the name carries JSON, the tensor is empty), and `load` (`sglang_worker`) runs it on each
+worker's `EngineSession`, the one behind the vLLM extension too:
 
-* `join`: a `Receiver` joins the trainer's group as `rank_offset + pp_rank * tp + tp_rank`,
+* `join`: the worker joins the trainer's group as `rank_offset + pp_rank * tp + tp_rank`, plans
   checked against the checkpoint's safetensors headers (like the vLLM extension);
 * `receive`: one update, loaded bucket by bucket through the SGLang model's own
   `load_weights` (qkv/gate_up stacking, TP sharding, tied embeddings; in place, so CUDA graphs
   keep their pointers);
-* `state`, `param_ptrs`, `checksums`, `close`.
+* `state`, `adapters`, `param_ptrs`, `checksums`, `metrics`, `close`.
 
 Any other named tensors are handed to `model.load_weights` unchanged, so the loader can stand in
 for SGLang's default path. `load` never raises: SGLang calls custom loaders outside any `try`,
@@ -50,257 +51,20 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vllm_nccl_sync.glue.sglang_worker import (  # noqa: F401  (`load`: what LOADER names)
+    COMMAND_PREFIX,
+    LOADER,
+    METHODS,
+    command_tensors,
+    load,
+    parse_command,
+)
+
 log = logging.getLogger(__name__)
-
-LOADER = "vllm_nccl_sync.glue.sglang.load"
-"""The import path to give SGLang's `--custom-weight-loader` and use as `load_format`."""
-COMMAND_PREFIX = "vllm_nccl_sync:"
-"""A named tensor whose name starts with this is a command (the rest of the name is JSON)."""
-SUPPORTED = ("0.5.",)
-"""SGLang versions (prefixes) whose custom-weight-loader hook this module follows."""
-OPS = ("join", "receive", "state", "param_ptrs", "checksums", "close")
-METHODS = {f"nccl_sync_{op}": op for op in OPS}
-"""The vLLM extension's RPC names (what `WeightSync` calls) mapped to commands."""
-MAX_COMMAND = 64 * 1024
-
-
-# =============================================================================== engine side
-
-
-@dataclass
-class _Worker:
-    """What one TP worker of one model holds between commands."""
-
-    state: Any  # ReceiverState: outlives re-joins
-    receiver: Any = None
-    loader: Any = None
-    info: dict = field(default_factory=dict)
-
-
-_WORKERS: dict[int, _Worker] = {}
-"""Per model object (one per TP scheduler process, or several models in one test process)."""
-
-
-class SGLangWeightLoader:
-    """`WeightLoader` over an SGLang model's `load_weights` (full HF-named tensors, in place).
-
-    SGLang's loaders copy into the existing parameters, so no reference to a receive buffer is
-    kept after `load` returns (the copies are issued on the current stream, which the receiver
-    orders before the buffer is refilled). Nothing is re-processed after loading, exactly as in
-    SGLang's own `update_weights_from_tensor` / `update_weights_from_distributed`.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.loaded: set[str] = set()
-        self.calls = 0
-
-    def begin(self) -> None:
-        self.loaded = set()
-        self.calls = 0
-
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
-        if not named_tensors:
-            return set()
-        self.calls += 1
-        done = self.model.load_weights(named_tensors)  # some models return the names, some None
-        names = set(done) if isinstance(done, (set, list, tuple)) else {n for n, _ in named_tensors}
-        self.loaded |= names
-        return names
-
-    def finish(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
-def parse_command(named_tensors: list) -> dict | None:
-    """The command carried by `named_tensors`, or None if they are ordinary weights.
-
-    Raises `ValueError` (or `TypeError`) if a command is malformed: mixed with weights, not JSON,
-    an unknown op, args that are not an object.
-    """
-    names = [n for n, _ in named_tensors]
-    cmds = [n for n in names if isinstance(n, str) and n.startswith(COMMAND_PREFIX)]
-    if not cmds:
-        return None
-    if len(names) != 1:
-        raise ValueError(f"a command must travel alone, got {len(names)} named tensors")
-    text = cmds[0][len(COMMAND_PREFIX):]
-    if len(text) > MAX_COMMAND:
-        raise ValueError(f"command of {len(text)} characters is too long")
-    cmd = json.loads(text)
-    if not isinstance(cmd, dict) or cmd.get("op") not in OPS:
-        raise ValueError(f"not a command: {text[:200]!r}")
-    if not isinstance(cmd.get("args", {}), dict):
-        raise TypeError("command args must be an object")
-    return cmd
-
-
-def command_tensors(cmd: dict) -> list[tuple[str, torch.Tensor]]:
-    """`cmd` as the named tensors SGLang carries to every worker: one empty tensor, JSON name."""
-    text = json.dumps(cmd, separators=(",", ":"))
-    if len(text) > MAX_COMMAND:
-        raise ValueError(f"command of {len(text)} characters is too long")
-    return [(COMMAND_PREFIX + text, torch.empty(0, dtype=torch.uint8))]
-
-
-def _parallel_info() -> tuple[int, int, int, int]:
-    """(tp_rank, tp_size, pp_rank, pp_size) of this SGLang worker; (0, 1, 0, 1) outside SGLang."""
-    try:
-        from sglang.srt.distributed import (
-            get_pp_group,
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        pp = get_pp_group()
-        return (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                pp.rank_in_group, pp.world_size)
-    except (ImportError, AssertionError, AttributeError):
-        return 0, 1, 0, 1
-
-
-def _sglang_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return ""
-
-
-def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return None
-
-
-def _reference(model: torch.nn.Module, model_path: str | None) -> Any:
-    """The engine's tensors in HF terms from the checkpoint's safetensors headers, or None."""
-    from vllm_nccl_sync.engine.handshake import checkpoint_reference
-    from vllm_nccl_sync.wire.packing import dtype_name
-
-    config = getattr(model, "config", None)
-    path = model_path or getattr(config, "_name_or_path", None) or ""
-    dtype = _model_dtype(model)
-    return checkpoint_reference(path, bool(getattr(config, "tie_word_embeddings", False)),
-                                dtype_name(dtype) if dtype is not None else None)
-
-
-def _state(w: _Worker) -> dict:
-    st = w.state
-    return {"joined": w.receiver is not None,
-            "rank": w.receiver.rank if w.receiver is not None else -1,
-            "version": st.version, "consistent": st.consistent, "updates": st.updates,
-            "failures": st.failures, "bytes": st.bytes, "last_seconds": st.last_seconds,
-            "last_error": st.last_error}
-
-
-def _close(w: _Worker) -> None:
-    if w.receiver is not None:
-        try:
-            w.receiver.close()
-        finally:
-            w.receiver = w.loader = None
-
-
-def run_command(model: torch.nn.Module, cmd: dict) -> dict:
-    """Run one command in this worker; returns a JSON-native result (raises on failure)."""
-    from vllm_nccl_sync.engine.receiver import ReceiverState
-
-    w = _WORKERS.get(id(model))
-    if w is None:
-        w = _WORKERS[id(model)] = _Worker(ReceiverState())
-    op, args = cmd["op"], cmd.get("args", {})
-    if op == "join":
-        from vllm_nccl_sync.engine.receiver import Receiver
-        from vllm_nccl_sync.wire.config import SyncConfig
-
-        version = _sglang_version()
-        if version and not version.startswith(SUPPORTED):
-            log.warning("sglang %s is not a tested version (%s)", version, SUPPORTED)
-        _close(w)
-        cfg = SyncConfig.from_dict(args["cfg"])
-        tp_rank, tp_size, pp_rank, pp_size = _parallel_info()
-        rank = int(args.get("rank_offset", 1)) + pp_rank * tp_size + tp_rank
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if cfg.backend == "nccl" else None)
-        w.receiver = Receiver(cfg, rank, replica=0, tp_rank=tp_rank, tp_size=tp_size,
-                              device=device, reference=_reference(model, args.get("model_path")),
-                              state=w.state)
-        w.loader = SGLangWeightLoader(model)
-        w.info = {"rank": rank, "replica": 0, "tp_rank": tp_rank, "tp_size": tp_size,
-                  "pp_rank": pp_rank, "pp_size": pp_size}
-        return dict(w.info)
-    if op == "receive":
-        if w.receiver is None:
-            return {"ok": False, "error": "join has not been run on this worker"}
-        return w.receiver.receive(w.loader, args.get("timeout_s"))
-    if op == "state":
-        return _state(w)
-    if op == "param_ptrs":
-        from vllm_nccl_sync.glue.vllm_loader import param_pointers
-
-        return param_pointers(model)
-    if op == "checksums":
-        from vllm_nccl_sync.verify import module_checksums
-
-        tp_rank, tp_size, _, _ = _parallel_info()
-        return {"tp_rank": tp_rank, "tp_size": tp_size,
-                "params": module_checksums(model, args.get("names"))}
-    assert op == "close"
-    _close(w)
-    return {"closed": True}
-
-
-def _report(cmd: dict, result: Any) -> None:
-    """Write this worker's result where the trainer-side handle reads it (if asked to)."""
-    folder, call = cmd.get("report"), cmd.get("call")
-    if not folder or not call:
-        return
-    tp_rank, _, pp_rank, _ = _parallel_info()
-    path = os.path.join(folder, f"{call}.pp{pp_rank}.tp{tp_rank}.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, path)
-
-
-def load(model: torch.nn.Module, named_tensors: list) -> None:
-    """SGLang's custom weight loader: run a command, or load ordinary weights.
-
-    Called by SGLang as `load(model_runner.model, named_tensors)` in every TP worker. Never
-    raises for a command (the outcome goes to the report and, for updates, to the trainer).
-    """
-    named = list(named_tensors)
-    try:
-        cmd = parse_command(named)
-    except (ValueError, TypeError) as e:
-        log.error("vllm_nccl_sync: rejected a malformed command: %s", e)
-        return
-    if cmd is None:
-        model.load_weights(named)  # SGLang's default for update_weights_from_tensor
-        return
-    try:
-        result = run_command(model, cmd)
-    except Exception as e:  # report, never take the scheduler down
-        log.exception("vllm_nccl_sync: command %s failed", cmd.get("op"))
-        result = {"ok": False, "error": f"{cmd.get('op')} failed: {e!r}"}
-    try:
-        _report(cmd, result)
-    except OSError:
-        log.exception("vllm_nccl_sync: could not write the report of %s", cmd.get("op"))
-
-
-# ============================================================================== trainer side
 
 
 class _SGLangHandle:
@@ -490,7 +254,8 @@ class SGLangHTTPHandle(_SGLangHandle):
 
 
 def wait_healthy(url: str, timeout_s: float = 300.0, proc: Any = None) -> None:
-    """Return once `url/health` answers 200; `TimeoutError` after `timeout_s` (or if `proc` died)."""
+    """Return once `url/health` answers 200; `TimeoutError` after `timeout_s` (or once `proc`
+    died)."""
     import urllib.request
 
     deadline = time.monotonic() + timeout_s

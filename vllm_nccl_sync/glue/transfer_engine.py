@@ -19,13 +19,11 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferUpdateInfo,
 )
 
-from vllm_nccl_sync.engine.receiver import ReceiverState  # noqa: E402
+from vllm_nccl_sync.engine.state import held_weights  # noqa: E402
 from vllm_nccl_sync.outcomes import clip  # noqa: E402
 from vllm_nccl_sync.wire.config import SyncConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-
 
 
 @dataclass
@@ -50,7 +48,7 @@ class NcclSyncUpdateInfo(WeightTransferUpdateInfo):
 
 
 class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSyncUpdateInfo]):
-    """vLLM worker-side weight-transfer engine running this project's `Receiver`."""
+    """vLLM worker-side weight-transfer engine: a thin adapter over the worker's `EngineSession`."""
 
     init_info_cls = NcclSyncInitInfo
     update_info_cls = NcclSyncUpdateInfo
@@ -67,31 +65,32 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device,
                  model: torch.nn.Module) -> None:
+        from vllm_nccl_sync.glue.lora import AdapterStore
+        from vllm_nccl_sync.glue.worker import vllm_session
+
         super().__init__(config, vllm_config, device, model)
-        self.state = ReceiverState()  # outlives re-joins, like Ext's
-        self.receiver: Any = None
-        self.where: Any = None
+        self.worker = _Worker(self)
+        """What vLLM's worker would offer, over the current target model."""
+        self.session = vllm_session(
+            self.worker, lambda w, ref: AdapterStore.for_model(w.model_runner.model, ref))
         self.last: dict[str, Any] | None = None
         """Summary of the last update (ok, version, consistent, bytes, error, ...)."""
-        self._loader: Any = None
-        self._adapters: Any = None  # lora.AdapterStore, LoRA engines only (outlives re-joins)
 
     def init_transfer_engine(self, init_info: NcclSyncInitInfo) -> None:
         """Join the trainer's transfer group (blocks until the trainer connects, bounded)."""
-        from vllm_nccl_sync.glue.worker import join
+        from vllm_nccl_sync.glue.worker import join, loaders
 
         cfg = SyncConfig.from_dict(dict(init_info.sync_config))  # ValueError names the field
         self.shutdown()
-        if getattr(self, "model", None) is not None:  # refuse a model it cannot update, first
-            self._loader_for(self.model)
+        made = loaders(self.worker)
+        made()  # refuses, saying why, a model it cannot update in place: before joining
         try:
-            self.receiver, self.where = join(cfg, int(init_info.rank_offset), self.vllm_config,
-                                             self.device, self.state, self._adapter_loaders())
+            where = join(self.session, cfg, int(init_info.rank_offset), self.worker, made)
         except Exception as e:
             raise RuntimeError(f"nccl_sync: could not join the trainer at {cfg.host} "
                                f"(control port {cfg.control_port}, group port {cfg.group_port}) "
                                f"within {cfg.timeout_s:.0f} s: {clip(repr(e))}") from e
-        log.info("nccl_sync: joined the trainer's group as rank %d", self.where.rank)
+        log.info("nccl_sync: joined the trainer's group as rank %d", where.rank)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare (loading is set up per update by `VllmWeightLoader`); refuses
@@ -105,59 +104,49 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: NcclSyncUpdateInfo) -> None:
-        """Run `Receiver.receive` while the trainer pushes; raise if the update failed."""
-        receiver = self._require_joined()
-        adapters_before = dict(self.state.adapters)
-        summary = receiver.receive(self._loader_for(self.model), update_info.timeout_s)
-        self.last = summary
-        if not summary.get("ok"):
-            held = (f"it still holds version {summary.get('version')}"
-                    if summary.get("consistent") else
-                    f"its weights may mix version {summary.get('version')} with the failed "
+        """Receive while the trainer pushes; raise if the update failed or was another one."""
+        rank = self._require_joined()
+        summary = self.session.receive(update_info.timeout_s)
+        self.last = summary.to_dict()
+        if not summary.ok:
+            held = (f"it still holds {held_weights(summary.version)}" if summary.consistent else
+                    f"its weights may mix {held_weights(summary.version)} with the failed "
                     "update (consistent: false until the next complete update)")
             raise RuntimeError(f"nccl_sync: update {update_info.version} failed on rank "
-                               f"{receiver.rank}: {summary.get('error')} ({held})")
-        adapter = any(v == update_info.version and adapters_before.get(n) != v
-                      for n, v in self.state.adapters.items())  # a LoRA adapter's update
-        if summary.get("version") != update_info.version and not adapter:
-            raise RuntimeError(f"nccl_sync: rank {receiver.rank} received update "
-                               f"{summary.get('version')}, but update_weights announced "
-                               f"{update_info.version}")
+                               f"{rank}: {summary.error} ({held})")
+        adapter = summary.extra.get("adapter")
+        got = summary.version if adapter is None else self.session.state.adapters[adapter]
+        if got != update_info.version:
+            raise RuntimeError(f"nccl_sync: rank {rank} received update {got}, but "
+                               f"update_weights announced {update_info.version}")
 
     def finish_weight_update(self) -> None:
         """Nothing left: the commit round already ran inside `update_weights`."""
 
     def shutdown(self) -> None:
         """Leave the transfer group (vLLM keeps serving)."""
-        if self.receiver is not None:
-            receiver, self.receiver = self.receiver, None
-            try:
-                receiver.close()
-            except Exception:  # noqa: BLE001 - shutting down must not fail the engine
-                log.exception("nccl_sync: closing the receiver failed")
+        try:
+            self.session.close()
+        except Exception:  # noqa: BLE001 - shutting down must not fail the engine
+            log.exception("nccl_sync: closing the receiver failed")
 
-    def _adapter_loaders(self) -> Any:
-        """`AdapterStore.loader` when the engine runs with LoRA enabled, else None."""
-        if getattr(self.vllm_config, "lora_config", None) is None:
-            return None
-        if self._adapters is None:
-            from vllm_nccl_sync.glue.lora import AdapterStore
-            from vllm_nccl_sync.glue.worker import reference
-
-            self._adapters = AdapterStore.for_model(self.model, reference(self.vllm_config))
-        return self._adapters.loader
-
-    def _require_joined(self) -> Any:
-        if self.receiver is None:
+    def _require_joined(self) -> int:
+        """This worker's rank; raises when it never joined."""
+        if self.session.receiver is None:
             raise RuntimeError("nccl_sync: this worker has not joined a trainer; call "
                                "init_weight_transfer_engine first")
-        return self.receiver
+        return self.session.receiver.rank
 
-    def _loader_for(self, model: torch.nn.Module) -> Any:
-        from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
 
-        if self._loader is None or self._loader.model is not model:
-            view = SimpleNamespace(model_runner=SimpleNamespace(model=model), device=self.device,
-                                   vllm_config=self.vllm_config)
-            self._loader = VllmWeightLoader(view)
-        return self._loader
+class _Worker:
+    """The worker as `VllmWeightLoader` and the session see it: vLLM hands the engine the model
+    that receives the update (which `set_weight_update_target` may change), not the worker."""
+
+    def __init__(self, engine: NcclSyncWeightTransferEngine) -> None:
+        self._engine = engine
+        self.device = engine.device
+        self.vllm_config = engine.vllm_config
+
+    @property
+    def model_runner(self) -> SimpleNamespace:
+        return SimpleNamespace(model=self._engine.model)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
+import itertools
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 from vllm_nccl_sync.patches.vllm_weight_transfer import BACKEND, check_version
@@ -21,47 +21,64 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
-    WeightTransferInitRequest,
-    WeightTransferUpdateRequest,
 )
 
+from vllm_nccl_sync.glue.transfer_clients import (  # noqa: E402
+    as_client,
+    error_text,
+)
 from vllm_nccl_sync.outcomes import SyncError, clip  # noqa: E402
+from vllm_nccl_sync.trainer.adapters import adapter_update  # noqa: E402
+from vllm_nccl_sync.trainer.beside import beside  # noqa: E402
 from vllm_nccl_sync.trainer.push import PushClient, PushResult  # noqa: E402
-from vllm_nccl_sync.wire.config import DEFAULT_BUCKET_BYTES, SyncConfig  # noqa: E402
+from vllm_nccl_sync.wire.config import SyncConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 
+_DEFAULT = SyncConfig.defaults()
 
+DEFAULT_LABEL = "default"
+"""vLLM's weight version of an engine that never took an update (`/weight_info`)."""
 
 
 @dataclass
 class NcclSyncTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info of the `nccl_sync` backend (`backend` selects it in vLLM's
-    `WeightTransferTrainerFactory`); `rank` is this trainer process's rank (0 sends)."""
+    """Trainer-side init info of the `nccl_sync` backend (`backend`, vLLM's dispatch key, selects
+    it in `WeightTransferTrainerFactory`).
+
+    The transfer's knobs are `SyncConfig`'s, with its defaults; the data plane is `transport`
+    because vLLM reads `backend` as the dispatch key. vLLM's `NCCLTrainerInitInfo` fields are
+    accepted with their meaning here: `master_address` is `host`, `master_port` is `group_port`,
+    `packed_buffer_size_bytes` is `bucket_bytes`, `packed` is accepted either way (this backend
+    always packs), `packed_num_buffers` must be 2 (two buffers on each side). `rank` is this
+    trainer process's rank, as in vLLM: 0 sends; every other rank only iterates the source (its
+    collectives, e.g. FSDP's gathers). `from_vllm` converts another backend's init info.
+    """
 
     backend: ClassVar[str] = BACKEND
 
     world_size: int
     """1 (this trainer) + every receiving worker of the engine (TP x PP x DP; the HTTP server's
     `/get_world_size` + 1)."""
-    host: str = "127.0.0.1"
+    host: str = _DEFAULT["host"]
     """Address this trainer binds and the workers connect to (control socket, rendezvous)."""
     control_port: int = 0
     """0: a free port is chosen at each (re-)join."""
     group_port: int = 0
-    """0: a free port is chosen at each (re-)join."""
+    """The data plane's rendezvous port; 0: a free port is chosen at each (re-)join."""
     transport: str = "auto"
-    """Data plane: `nccl`, `gloo`, or `auto` (nccl when this trainer has a GPU)."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    timeout_s: float = 120.0
+    """`SyncConfig.backend`: `nccl`, `gloo`, or `auto` (nccl when this trainer has a GPU)."""
+    bucket_bytes: int = _DEFAULT["bucket_bytes"]
+    timeout_s: float = _DEFAULT["timeout_s"]
     """Bound on every wait of the handshake and of each update."""
-    secret: str = ""
+    secret: str = _DEFAULT["secret"]
     """Hex key authenticating control frames (HMAC-SHA256); empty: off."""
     rank_offset: int = 1
     device: str | None = None
     """This trainer's data-plane device (default: the current CUDA device for nccl)."""
     dtype: str | None = None
-    """Cast floating-point tensors to this dtype before sending (e.g. "bfloat16")."""
+    """Cast floating-point tensors to this dtype (e.g. "bfloat16"); without it they are cast to
+    the engine's dtype where that is faithful (a cast into float16 needs it)."""
     full: bool = False
     """The plan must cover every tensor of the engine's checkpoint."""
     staged: bool = False
@@ -71,6 +88,52 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
     source is a `ModuleSource` over unsharded parameters (free). True: always (the source is
     materialized first, so sharded sources hold every gathered tensor at once). False: stream;
     each bucket header is still checked before its bytes move."""
+    master_address: str = ""
+    """vLLM's name of `host`."""
+    master_port: int = 0
+    """vLLM's name of `group_port`."""
+    packed: bool = True
+    """Accepted for vLLM's `NCCLTrainerInitInfo`; tensors are always packed into buckets here."""
+    packed_buffer_size_bytes: int = 0
+    """vLLM's name of `bucket_bytes`."""
+    packed_num_buffers: int = 2
+    """Must be 2: each side holds two bucket buffers."""
+
+    def __post_init__(self) -> None:
+        for alias, name, unset in (("master_address", "host", _DEFAULT["host"]),
+                                   ("master_port", "group_port", 0),
+                                   ("packed_buffer_size_bytes", "bucket_bytes",
+                                    _DEFAULT["bucket_bytes"])):
+            given, own = getattr(self, alias), getattr(self, name)
+            if given and own not in (unset, given):
+                raise ValueError(f"{alias}={given!r} and {name}={own!r} name the same setting")
+            if given:
+                setattr(self, name, given)
+        if self.packed_num_buffers != 2:
+            raise ValueError(f"packed_num_buffers={self.packed_num_buffers}: the {BACKEND} "
+                             "backend holds two bucket buffers on each side")
+        if self.rank < 0:
+            raise ValueError(f"rank {self.rank} must be >= 0 (0 sends)")
+        if self.transport not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"transport {self.transport!r}: choose 'auto', 'nccl' or 'gloo'")
+        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None),
+                                                     torch.dtype):
+            raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
+
+    @classmethod
+    def from_vllm(cls, info: Any, **extra: Any) -> NcclSyncTrainerInitInfo:
+        """This backend's init info from another backend's (e.g. vLLM's `NCCLTrainerInitInfo`,
+        or a mapping of its fields) plus `extra`; `ValueError` naming every field that has no
+        meaning here."""
+        given = {f.name: getattr(info, f.name) for f in fields(info)} if is_dataclass(info) \
+            else dict(info)
+        given.update(extra)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"{unknown} have no meaning for the {BACKEND} backend (its fields: "
+                             f"{sorted(known)})")
+        return cls(**given)
 
 
 class WeightTransferFailed(SyncError, RuntimeError):
@@ -85,135 +148,12 @@ class WeightTransferFailed(SyncError, RuntimeError):
         self.push_error = push_error
 
 
-class OfflineClient:
-    """`VLLMWeightSyncClient` over an in-process `vllm.LLM` (whose methods take vLLM's request
-    objects). `trainer_init` wraps an `LLM` passed as the client in this on its own."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is None:
-            self.llm.finish_weight_update()
-        else:
-            self.llm.finish_weight_update(weight_version)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
-
-    def get_weight_version(self) -> str:
-        return self.llm.get_weight_version()
-
-
-class AsyncEngineClient:
-    """`VLLMWeightSyncClient` over an in-process `AsyncLLM` whose event loop `loop` runs in
-    another thread (a rollout server); each call blocks this thread until the loop ran it, at
-    most `call_timeout_s`."""
-
-    def __init__(self, engine: Any, loop: Any, *, call_timeout_s: float = 600.0) -> None:
-        self.engine, self.loop = engine, loop
-        self._timeout = call_timeout_s
-
-    def _run(self, coro: Any) -> Any:
-        import asyncio
-
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self._timeout)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._run(self.engine.init_weight_transfer_engine(
-            WeightTransferInitRequest(init_info=init_info)))
-
-    def start_weight_update(self) -> None:
-        self._run(self.engine.start_weight_update())
-
-    def update_weights(self, update_info: Any) -> None:
-        self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is None:
-            self._run(self.engine.finish_weight_update())
-        else:
-            self._run(self.engine.finish_weight_update(weight_version))
-
-    def get_weight_version(self) -> str:
-        return self._run(self.engine.get_weight_version())
-
-
-def as_client(client: Any) -> Any:
-    """`client` as a `VLLMWeightSyncClient`: an in-process `LLM` is wrapped in `OfflineClient`;
-    anything else with the four methods is used as is."""
-    if hasattr(client, "llm_engine") and hasattr(client, "update_weights"):
-        return OfflineClient(client)
-    if inspect.iscoroutinefunction(getattr(client, "update_weights", None)):
-        raise TypeError("an AsyncLLM is driven on its own event loop: pass "
-                        "AsyncEngineClient(async_llm, loop) as the client")
-    missing = [m for m in ("init_weight_transfer_engine", "start_weight_update",
-                           "update_weights", "finish_weight_update")
-               if not callable(getattr(client, m, None))]
-    if missing:
-        raise TypeError(f"client {type(client).__name__} is not a VLLMWeightSyncClient "
-                        f"(missing {missing})")
-    return client
-
-
-def _error_text(e: BaseException) -> str:
-    """What vLLM said: an HTTP route's JSON error message, else the exception's text."""
-    response = getattr(e, "response", None)
-    if response is not None:
-        try:
-            body = response.json()
-            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
-            if message:
-                return f"HTTP {response.status_code}: {message}"
-        except Exception:  # noqa: BLE001 - not JSON
-            pass
-        text = getattr(response, "text", "")
-        if text:
-            return f"HTTP {response.status_code}: {clip(text)}"
-    return clip(str(e) or repr(e))
-
-
-def _outcome(fut: Future, timeout_s: float) -> str | None:
-    """None if the engine call succeeded, else what it reported (bounded wait)."""
-    try:
-        fut.result(timeout=timeout_s)
-    except TimeoutError:
-        return f"no answer from vLLM within {timeout_s:.0f} s"
-    except BaseException as e:  # noqa: BLE001 - reported to the caller
-        return _error_text(e)
-    return None
-
-
-def _spawn(name: str, fn: Any, *args: Any) -> Future:
-    """Run `fn(*args)` in a daemon thread; its outcome in a Future. (A thread left waiting on a
-    peer that failed ends by its own timeout and never holds up the interpreter's exit.)"""
-    fut: Future = Future()
-    fut.set_running_or_notify_cancel()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
-
-
-def _held_version(client: Any, timeout_s: float) -> int:
+def _held_version(client: Any, timeout_s: float) -> tuple[int, str]:
     """The weight version vLLM reports for the engine (`get_weight_version()`, or an HTTP
-    client's `/weight_info`), as an int; 0 when it has none or it is not a number ("default")."""
+    client's `/weight_info`): as an int (0 when it is not a number) and as vLLM's label
+    ("default": the engine never took an update)."""
     if not SURFACE.weight_version:
-        return 0
+        return 0, DEFAULT_LABEL
     try:
         getter = getattr(client, "get_weight_version", None)
         if callable(getter):
@@ -225,21 +165,11 @@ def _held_version(client: Any, timeout_s: float) -> int:
             r.raise_for_status()
             label = r.json().get("weight_version")
         else:
-            return 0
-        return max(int(str(label)), 0)
+            return 0, DEFAULT_LABEL
+        label = DEFAULT_LABEL if label is None else str(label)
+        return (max(int(label), 0) if label.isdigit() else 0), label
     except Exception:  # noqa: BLE001 - no label, or not ours: start from 1
-        return 0
-
-
-def _free_ports(host: str, n: int) -> list[int]:
-    from vllm_nccl_sync.trainer.sync import free_port
-
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port(host)
-        if p not in ports:
-            ports.append(p)
-    return ports
+        return 0, DEFAULT_LABEL
 
 
 class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
@@ -261,7 +191,9 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         self.version = 0
         """Last version committed; `send_weights()` pushes the next one. Starts from the weight
         version vLLM reports for the engine when it is a number (a restarted trainer goes on
-        where the engine is), else 0."""
+        where the engine is), else 0 (vLLM's "default": the engine never took an update)."""
+        self.held = DEFAULT_LABEL
+        """The weight version vLLM reported at `trainer_init`."""
         self.last_result: PushResult | None = None
 
     @classmethod
@@ -272,14 +204,16 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         `client` while it opens the transfer group; other trainer ranks only keep `source`.
         (vLLM 0.32 calls this with `init_info`, `client`, `source`; 0.26 adds `config`.)"""
         if not isinstance(init_info, NcclSyncTrainerInitInfo):
-            raise TypeError(f"the {BACKEND} backend takes NcclSyncTrainerInitInfo, got "
-                            f"{type(init_info).__name__}")
+            raise TypeError(f"the {BACKEND} backend takes NcclSyncTrainerInitInfo (see its "
+                            f"from_vllm), got {type(init_info).__name__}")
         if source is None:
             raise ValueError(f"the {BACKEND} backend needs a WeightSource "
                              "(e.g. ModuleSource(model))")
         engine = cls(init_info, client=client, source=source, config=config)
         if engine.is_sender:
-            engine.version = _held_version(engine.client, init_info.timeout_s)
+            engine.version, engine.held = _held_version(engine.client, init_info.timeout_s)
+            log.info("%s: the engine holds weight version %r; the next push is version %d",
+                     BACKEND, engine.held, engine.version + 1)
             engine._join()
         return engine
 
@@ -287,16 +221,13 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
 
     def _sync_config(self) -> SyncConfig:
         i = self.info
-        transport = i.transport
-        if transport == "auto":
-            transport = "nccl" if torch.cuda.is_available() else "gloo"
-        control, group = i.control_port, i.group_port
-        if not control or not group:
-            fresh = [p for p in _free_ports(i.host, 3) if p not in (control, group)]
-            control, group = control or fresh.pop(), group or fresh.pop()
-        return SyncConfig(host=i.host, control_port=control, group_port=group,
-                          world_size=i.world_size, backend=transport, bucket_bytes=i.bucket_bytes,
-                          timeout_s=i.timeout_s, secret=i.secret)
+        backend = i.transport
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return SyncConfig.build(host=i.host, control_port=i.control_port,
+                                group_port=i.group_port, world_size=i.world_size,
+                                backend=backend, bucket_bytes=i.bucket_bytes,
+                                timeout_s=i.timeout_s, secret=i.secret)
 
     def _device(self, cfg: SyncConfig) -> torch.device | None:
         if self.info.device is not None:
@@ -312,7 +243,7 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         cfg = self._sync_config()
         device = self._device(cfg)
         push = PushClient(cfg, device)
-        init_info = {"sync_config": cfg.to_dict(), "rank_offset": self.info.rank_offset}
+        gave_up = threading.Event()
 
         def connect() -> None:
             try:
@@ -322,37 +253,31 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
             except BaseException:
                 push.close()
                 raise
-
-        joined = _spawn("nccl_sync_connect", connect)
-        try:
-            rpc = _spawn("nccl_sync_init", self.client.init_weight_transfer_engine, init_info)
-            bound = cfg.timeout_s * 2 + 30.0  # both are bounded by timeout_s themselves
-            wait([rpc, joined], timeout=bound, return_when=FIRST_EXCEPTION)
-            if rpc.done() and rpc.exception() is not None:
-                raise WeightTransferFailed(
-                    f"{BACKEND}: vLLM's init_weight_transfer_engine failed: "
-                    f"{_error_text(rpc.exception())}",
-                    engine_error=_error_text(rpc.exception()))
-            wait([joined], timeout=bound)  # the workers' side returns a moment before ours
-            if not joined.done():
-                raise WeightTransferFailed(f"{BACKEND}: the transfer group did not form within "
-                                           f"{bound:.0f} s")
-            if joined.exception() is not None:
-                engine = _outcome(rpc, cfg.timeout_s + 30.0)
-                raise WeightTransferFailed(
-                    f"{BACKEND}: the engine's workers did not join this trainer: "
-                    f"{clip(str(joined.exception()))}"
-                    + (f"; vLLM's init_weight_transfer_engine: {engine}" if engine else ""),
-                    engine_error=engine, push_error=joined.exception())
-            engine = _outcome(rpc, bound)
-            if engine is not None:
-                raise WeightTransferFailed(
-                    f"{BACKEND}: vLLM's init_weight_transfer_engine failed: {engine}",
-                    engine_error=engine)
-        except BaseException:
-            if joined.done() and joined.exception() is None:
+            if gave_up.is_set():  # the join was already reported failed
                 push.close()
-            raise
+
+        init_info = {"sync_config": cfg.to_dict(), "rank_offset": self.info.rank_offset}
+        joined, [rpc] = beside([partial(self.client.init_weight_transfer_engine, init_info)],
+                               connect, cfg.timeout_s, name="nccl_sync_join", fail_fast=True)
+        engine = None if rpc.ok else error_text(rpc.error)
+        if not joined.ok:
+            gave_up.set()  # a connect still running closes its client when it ends
+        if rpc.done and rpc.error is not None and not joined.done:
+            raise WeightTransferFailed(f"{BACKEND}: vLLM's init_weight_transfer_engine failed: "
+                                       f"{engine}", engine_error=engine)
+        if not joined.done:
+            raise WeightTransferFailed(f"{BACKEND}: the transfer group did not form: "
+                                       f"{joined.error}")
+        if joined.error is not None:
+            raise WeightTransferFailed(
+                f"{BACKEND}: the engine's workers did not join this trainer: "
+                f"{clip(str(joined.error))}"
+                + (f"; vLLM's init_weight_transfer_engine: {engine}" if engine else ""),
+                engine_error=engine, push_error=joined.error)
+        if engine is not None:
+            push.close()
+            raise WeightTransferFailed(f"{BACKEND}: vLLM's init_weight_transfer_engine failed: "
+                                       f"{engine}", engine_error=engine)
         self.push_client, self.sync_config = push, cfg
         log.info("%s: trainer joined %d engine worker(s) (%s data plane)", BACKEND,
                  cfg.world_size - 1, cfg.backend)
@@ -370,6 +295,15 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
                 callable(getattr(p, "full_tensor", None)) for p in module.parameters())
         return dict(iter(self.source)) if plan else iter(self.source)
 
+    def _checked(self, tensors: Mapping | Iterable, dtype: torch.dtype | None,
+                 adapter: Any) -> Mapping | Iterable:
+        """`tensors` once `PushClient.check` passed (on a stream's first tensor only)."""
+        mapping = isinstance(tensors, Mapping)
+        it = iter(() if mapping else tensors)
+        first = [] if mapping else list(itertools.islice(it, 1))
+        self.push_client.check(tensors if mapping else dict(first), dtype=dtype, adapter=adapter)
+        return tensors if mapping else itertools.chain(first, it)
+
     def send_adapter(self, adapter: Any, version: int, *, name: str, lora_id: int,
                      rank: int | None = None, alpha: float | None = None,
                      target_modules: list[str] | None = None, force: bool = False
@@ -378,8 +312,6 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         tensors with `rank`, `alpha`, `target_modules`) as its own `version`, through the same
         vLLM calls as `send_weights`; the engine adds it or replaces its weights (docs/lora.md).
         vLLM's weight version label is left as it is."""
-        from vllm_nccl_sync.trainer.sync import adapter_update
-
         if not self.is_sender:
             return None
         tensors, spec = adapter_update(adapter, name, lora_id, rank, alpha, target_modules)
@@ -400,27 +332,30 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         if self.push_client is None or (self.push_client.transport is not None
                                         and self.push_client.transport.broken):
             self._join()  # a failed update gave the group up: both sides join a fresh one
-        assert self.push_client is not None and self.sync_config is not None
         cfg = self.sync_config
         version = self.version + 1 if version is None else int(version)
         staged = self.info.staged if staged is None else staged
         tensors = self._tensors() if adapter is None else adapter[0]
         dtype = getattr(torch, self.info.dtype) if self.info.dtype else None
+        try:  # refused here, before vLLM's update_weights waits for a plan that will not come
+            tensors = self._checked(tensors, dtype, None if adapter is None else adapter[1])
+        except Exception as e:
+            raise WeightTransferFailed(f"{BACKEND} update {version} refused before it began: "
+                                       f"{clip(str(e))}", version=version, push_error=e) from e
         try:
             self.client.start_weight_update()
         except Exception as e:
             raise WeightTransferFailed(
                 f"{BACKEND} update {version}: vLLM's start_weight_update failed: "
-                f"{_error_text(e)}", version=version, engine_error=_error_text(e)) from e
-        bound = cfg.timeout_s * 3 + 30.0  # the receiver's own waits are bounded by timeout_s
-        rpc = _spawn("nccl_sync_update", self.client.update_weights,
-                     {"version": version, "timeout_s": cfg.timeout_s})
-        try:
-            result = self.push_client.push(
-                tensors, version, dtype=dtype, force=force, full=self.info.full and not adapter,
-                staged=staged, adapter=None if adapter is None else adapter[1])
-        except Exception as e:
-            engine = _outcome(rpc, bound)
+                f"{error_text(e)}", version=version, engine_error=error_text(e)) from e
+        pushed, [rpc] = beside(
+            [partial(self.client.update_weights, {"version": version, "timeout_s": cfg.timeout_s})],
+            partial(self.push_client.push, tensors, version, dtype=dtype, force=force,
+                    full=self.info.full and not adapter, staged=staged,
+                    adapter=None if adapter is None else adapter[1]),
+            cfg.timeout_s, name="nccl_sync_update")
+        engine = None if rpc.ok else error_text(rpc.error)
+        if pushed.error is not None:
             if engine is None:  # vLLM's session is still open: close it (no new label)
                 try:
                     self.client.finish_weight_update()
@@ -428,20 +363,17 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
                     log.exception("%s: finish_weight_update after a failed push", BACKEND)
             raise WeightTransferFailed(
                 f"{BACKEND} update {version} failed. vLLM update_weights: "
-                f"{engine or 'returned without error'}. Trainer: {clip(str(e))}",
-                version=version, engine_error=engine, push_error=e) from e
-        engine = _outcome(rpc, bound)
+                f"{engine or 'returned without error'}. Trainer: {clip(str(pushed.error))}",
+                version=version, engine_error=engine, push_error=pushed.error) from pushed.error
         if engine is not None:  # every worker committed, yet vLLM's call failed
             raise WeightTransferFailed(
                 f"{BACKEND} update {version} was committed by every worker, but vLLM's "
                 f"update_weights failed: {engine}", version=version, engine_error=engine)
-        self.last_result = result
-        if adapter is not None:  # adapters have versions of their own: no base label
-            self._finish(None)
-            return result
-        self.version = version
-        self._finish(version)
-        return result
+        self.last_result = pushed.value
+        if adapter is None:  # adapters have versions of their own: no base label
+            self.version = version
+        self._finish(None if adapter is not None else version)
+        return pushed.value
 
     def _finish(self, version: int | None) -> None:
         """`finish_weight_update`, labelling vLLM's weight version where vLLM has one (None:
@@ -454,8 +386,8 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         except Exception as e:
             raise WeightTransferFailed(
                 f"{BACKEND} update {version} was committed by every worker, but vLLM's "
-                f"finish_weight_update failed: {_error_text(e)}", version=version,
-                engine_error=_error_text(e)) from e
+                f"finish_weight_update failed: {error_text(e)}", version=version,
+                engine_error=error_text(e)) from e
 
     def shutdown(self) -> None:
         """Close this trainer's end of the transfer group (the engine keeps serving; its

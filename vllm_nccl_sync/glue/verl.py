@@ -21,11 +21,11 @@ Engine side, two ways (the wire protocol is the same, so the trainer side does n
 * verl's rollout workers (`CheckpointEngineWorker`, next to each vLLM worker): `receive_weights`
   runs a `Receiver` and yields full HF-named tensors to verl's server adapter, which loads them.
   A yielded tensor is valid until the generator is resumed after the last tensor of its bucket.
-* vLLM workers running `vllm_nccl_sync.Ext` receive directly into the live model (no copy through
-  another process): give each engine `nccl_sync_join(cfg, rank_offset)` with the `cfg` that
-  `build_topology` hands out (`ext_join_args`) and call `nccl_sync_receive` while the actor
-  pushes. verl's manager does not make those calls; the driver that owns the engines does
-  (`vllm_nccl_sync.glue.engines` handles: `collective_rpc` or HTTP).
+* vLLM engines running `vllm_nccl_sync.Ext` receive directly into the live model (no copy
+  through another process): hand their `EngineHandle`s (`vllm_nccl_sync.glue.engines`:
+  `collective_rpc` or HTTP) to actor rank 0 as `engines=`. Their workers take the ranks after
+  verl's rollout workers; actor rank 0 joins them with the group and runs their receive calls
+  beside each push (`trainer.beside`, one bound), reporting their failures with its own.
 
 The group is kept across updates (verl calls `init_process_group` before each one; an unchanged
 topology reuses the connection) unless `rebuild_group=True`. A random HMAC secret is made per
@@ -39,15 +39,19 @@ import logging
 import secrets
 import socket
 from collections.abc import AsyncIterator, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 
 from vllm_nccl_sync.engine.metrics import push_logged
-from vllm_nccl_sync.trainer.sync import free_port
-from vllm_nccl_sync.wire.config import DEFAULT_BUCKET_BYTES, SyncConfig
+from vllm_nccl_sync.trainer.beside import beside, engine_call_s
+from vllm_nccl_sync.trainer.sync import EngineHandle, settle
+from vllm_nccl_sync.wire.config import SyncConfig
 
 log = logging.getLogger(__name__)
+
+_DEFAULT = SyncConfig.defaults()
 
 NAME = "vllm_nccl_sync"
 """The backend name in verl's registry."""
@@ -147,25 +151,30 @@ class VllmNcclSyncCheckpointEngine(_Base):
             `CheckpointEngineRegistry.new(backend, ...)` takes that name for the engine's.)
         host: address actor rank 0 binds (default: its Ray node address).
         timeout_s: bound on every wait of an update.
-        dtype: cast floating tensors to this dtype before sending (e.g. "bfloat16").
+        dtype: cast floating tensors to this dtype before sending (e.g. "bfloat16"; without it,
+            to the engines' dtype where the cast is faithful).
         rebuild_group: leave the group after every update (verl calls `finalize`), and build a
             new one for the next.
         force: let engines take a `global_steps` not newer than the one they hold.
+        engines: actor rank 0 only: `EngineHandle`s of `Ext` engines it joins and updates
+            itself, beside verl's rollout workers (see the module docstring).
+    Defaults are `SyncConfig`'s.
     """
 
     wire_format = "named_tensors"
 
     def __init__(
         self,
-        bucket_size: int = DEFAULT_BUCKET_BYTES,
+        bucket_size: int = _DEFAULT["bucket_bytes"],
         is_master: bool = False,
         *,
         transport: str = "nccl",
         host: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = _DEFAULT["timeout_s"],
         dtype: str | None = None,
         rebuild_group: bool = False,
         force: bool = False,
+        engines: list[EngineHandle] | None = None,
     ) -> None:
         self.bucket_size = int(bucket_size)
         self.is_master = is_master
@@ -175,6 +184,7 @@ class VllmNcclSyncCheckpointEngine(_Base):
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.rebuild_group = rebuild_group
         self.force = force
+        self.engines = list(engines or [])
         self.rank: int | None = None
         self.cfg: SyncConfig | None = None
         self.client: Any = None  # PushClient on actor rank 0
@@ -189,28 +199,31 @@ class VllmNcclSyncCheckpointEngine(_Base):
         if not self.is_master:
             return {"master": None}
         host = self.host or _host()
-        fresh = SyncConfig(host=host, control_port=free_port(host), group_port=free_port(host),
-                           world_size=2, backend=self.transport, bucket_bytes=self.bucket_size,
-                           timeout_s=self.timeout_s, secret=secrets.token_hex(16))
+        fresh = SyncConfig.build(host=host, world_size=2, backend=self.transport,
+                                 bucket_bytes=self.bucket_size, timeout_s=self.timeout_s,
+                                 secret=secrets.token_hex(16))
         held = self.cfg.to_dict() if self.cfg is not None and self._connected() else None
-        return {"master": {"fresh": fresh.to_dict(), "held": held}}
+        extra = sum(e.workers for e in self.engines)
+        return {"master": {"fresh": fresh.to_dict(), "held": held, "engines": extra}}
 
     @classmethod
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """Rank 0: actor 0; ranks 1..: the rollout workers in verl's order; other actors: -1.
+        """Rank 0: actor 0; ranks 1..: the rollout workers in verl's order, then the workers of
+        actor 0's own `engines`; other actors: -1.
 
         The group actor 0 already holds is kept when its size still fits, else a fresh one."""
         master = metadata[0]["master"]
         if master is None:
             raise ValueError("actor rank 0 must be the checkpoint engine master (is_master=True)")
-        world = 1 + rollout_world_size
+        world = 1 + rollout_world_size + master.get("engines", 0)
         held = master["held"]
         cfg = held if held is not None and held["world_size"] == world else {
             **master["fresh"], "world_size": world}
         actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1), "cfg": [cfg] * actor_wg_world_size}
-        rollout = {"rank": list(range(1, world)), "cfg": [cfg] * rollout_world_size}
+        rollout = {"rank": list(range(1, 1 + rollout_world_size)),
+                   "cfg": [cfg] * rollout_world_size}
         return actor, rollout
 
     def _connected(self) -> bool:
@@ -237,11 +250,26 @@ class VllmNcclSyncCheckpointEngine(_Base):
         self.cfg = new
         if rank == 0:
             self.client = PushClient(new, self._device())
-            self.client.connect()
+            self._join(new)
         else:
             self.receiver = Receiver(new, rank, device=self._device())
         self.connects += 1
         log.info("rank %d joined the vllm_nccl_sync group of %d", rank, new.world_size)
+
+    def _offsets(self) -> list[int]:
+        first = self.cfg.world_size - sum(e.workers for e in self.engines)
+        return [first + sum(e.workers for e in self.engines[:i]) for i in range(len(self.engines))]
+
+    def _join(self, cfg: SyncConfig) -> None:
+        """Host the group while actor 0's own engines join it (each raises what failed)."""
+        calls = [partial(e.call, "nccl_sync_join", cfg.to_dict(), off,
+                         timeout=engine_call_s(cfg.timeout_s))
+                 for e, off in zip(self.engines, self._offsets(), strict=True)]
+        joined, answers = beside(calls, self.client.connect, cfg.timeout_s, name="verl-join")
+        failed = [a.error for a in [joined, *answers] if a.error is not None]
+        if failed:
+            self._close()
+            raise failed[0]
 
     def finalize(self) -> None:
         """After each update: leave the group only if `rebuild_group`."""
@@ -270,8 +298,14 @@ class VllmNcclSyncCheckpointEngine(_Base):
         def push() -> Any:
             if device is not None:
                 torch.cuda.set_device(device)
-            return push_logged(self.client, _sync_iter(weights, loop), version,
-                               dtype=self.dtype, force=self.force)
+            bound = engine_call_s(self.cfg.timeout_s)
+            calls = [partial(e.call, "nccl_sync_receive", self.cfg.timeout_s, timeout=bound)
+                     for e in self.engines]
+            pushed, answers = beside(
+                calls, partial(push_logged, self.client, _sync_iter(weights, loop), version,
+                               dtype=self.dtype, force=self.force),
+                self.cfg.timeout_s, name="verl-push")
+            return settle(version, pushed, answers, self.engines, self._offsets())
 
         res = await asyncio.to_thread(push)
         self.version = version

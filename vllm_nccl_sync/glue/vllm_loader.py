@@ -31,26 +31,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def param_pointers(model: torch.nn.Module) -> dict[str, int]:
-    """data_ptr of every non-empty parameter and buffer of `model` (tied ones under each name)."""
-    out = {}
-    for kind in (model.named_parameters, model.named_buffers):
-        for name, t in kind(remove_duplicate=False):
-            if t.numel() > 0 and not t.is_meta:
-                out[name] = t.data_ptr()
-    return out
-
-
-@torch.no_grad()
-def param_checksums(model: torch.nn.Module) -> dict[str, float]:
-    """float64 sum of every non-empty parameter (a cheap fingerprint across ranks/updates)."""
-    return {
-        n: p.double().sum().item()
-        for n, p in model.named_parameters()
-        if p.numel() > 0 and not p.is_meta
-    }
-
-
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """{alias: canonical} for parameters that are the same Parameter as one listed earlier
     (e.g. {"lm_head.weight": "model.embed_tokens.weight"} when embeddings are tied)."""
@@ -372,11 +352,3 @@ class VllmWeightLoader:
             self._postload().refresh_derived(self.model, model_config, self.loaded)
         except Exception:
             log.exception("refreshing derived tensors after a failed update failed")
-
-    def param_pointers(self) -> dict[str, int]:
-        """data_ptr of every non-empty parameter and buffer vLLM keeps."""
-        return param_pointers(self.model)
-
-    def param_checksums(self) -> dict[str, float]:
-        """float64 sum of every non-empty parameter."""
-        return param_checksums(self.model)

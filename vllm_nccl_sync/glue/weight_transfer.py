@@ -8,7 +8,7 @@ This module is that backend for this project, on both sides:
 * Engine side, `NcclSyncWeightTransferEngine` (vLLM's `WeightTransferEngineFactory`, name
   `nccl_sync`): `init_weight_transfer_engine` joins the trainer's transfer group through
   `worker_glue.join` (the same join, rank formula and checkpoint reference as `Ext`);
-  `update_weights` runs one whole `Receiver.receive` into `VllmWeightLoader` (plan check, exact
+  `update_weights` runs one whole `EngineSession.receive` into `VllmWeightLoader` (plan check, exact
   headers, checksums, commit round, timeouts). A failed update raises, which is how vLLM reports
   a failed weight-transfer call: the engine core catches it and keeps serving, `LLM`/`AsyncLLM`
   raise "Call to collective_rpc method failed: Worker failed with error 'nccl_sync: ...'", and
@@ -40,11 +40,10 @@ from vllm_nccl_sync.glue.transfer_engine import (
     NcclSyncUpdateInfo,
     NcclSyncWeightTransferEngine,
 )
+from vllm_nccl_sync.glue.transfer_clients import AsyncEngineClient, OfflineClient
 from vllm_nccl_sync.glue.transfer_trainer import (
-    AsyncEngineClient,
     NcclSyncTrainerEngine,
     NcclSyncTrainerInitInfo,
-    OfflineClient,
     WeightTransferFailed,
 )
 from vllm_nccl_sync.patches.vllm_weight_transfer import BACKEND, register

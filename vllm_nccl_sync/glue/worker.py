@@ -1,47 +1,28 @@
-"""What every vLLM-side entry point does to join a trainer: rank, reference, `Receiver`.
+"""What a vLLM worker tells its `EngineSession`: rank, loader, reference, dtype, adapters.
 
-Two front doors reach the same receiver: the worker extension (`Ext.nccl_sync_join`, reached by
-`collective_rpc`) and vLLM's weight-transfer backend `nccl_sync` (`weight_transfer.py`, reached
-by `init_weight_transfer_engine`). Both join through `join()` here, so ranks, the plan check
-against the engine's checkpoint and the receiver's settings cannot drift apart.
-
-vLLM is imported lazily (nothing here runs outside a vLLM worker).
+Two front doors reach the same session: the worker extension (`Ext`, reached by
+`collective_rpc`) and vLLM's weight-transfer backend `nccl_sync` (`transfer_engine`, reached by
+`init_weight_transfer_engine`). Both build it with `vllm_session` and join through `join` here,
+so ranks, the plan check against the engine's checkpoint and the receiver's settings cannot drift
+apart. vLLM is imported lazily (nothing here runs outside a vLLM worker).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from vllm_nccl_sync.engine.handshake import Reference
-from vllm_nccl_sync.engine.receiver import Receiver, ReceiverState
+from vllm_nccl_sync.engine.handshake import Reference, checkpoint_reference
+from vllm_nccl_sync.engine.session import EngineSession, Placement
 from vllm_nccl_sync.planes.base import local_address
 from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.packing import dtype_name
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerRank:
-    """Where one vLLM worker sits in the transfer group."""
-
-    rank: int
-    """Rank in the transfer group: `rank_offset + replica * workers_per_replica + local`."""
-    replica: int
-    """Data-parallel index of this worker's engine."""
-    tp_rank: int
-    tp_size: int
-    host: str = ""
-    """The address this worker reaches the trainer from (its data plane binds it); "" until
-    it joined."""
-
-    def to_dict(self) -> dict[str, int | str]:
-        return {"rank": self.rank, "replica": self.replica, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "host": self.host}
-
-
-def worker_rank(parallel_config: Any, rank_offset: int) -> WorkerRank:
+def worker_rank(parallel_config: Any, rank_offset: int) -> Placement:
     """This worker's transfer rank, from vLLM's `ParallelConfig` (the formula vLLM's own NCCL
     backend uses, `vllm/distributed/weight_transfer/nccl_common.py`: `worker_init_process_group`).
 
@@ -63,7 +44,7 @@ def worker_rank(parallel_config: Any, rank_offset: int) -> WorkerRank:
         rank = rank_offset + local  # world_size and rank already include data parallelism
     else:
         rank = rank_offset + replica * int(parallel_config.world_size) + local
-    return WorkerRank(rank=rank, replica=replica, tp_rank=local % tp_size, tp_size=tp_size)
+    return Placement(rank=rank, replica=replica, tp_rank=local % tp_size, tp_size=tp_size)
 
 
 def name_mapping(model_config: Any) -> Callable[[str], str | None] | None:
@@ -81,9 +62,6 @@ def name_mapping(model_config: Any) -> Callable[[str], str | None] | None:
 def reference(vllm_config: Any) -> Reference | None:
     """The engine's tensors in HF terms, from its checkpoint's safetensors headers, with names
     compared through the model's own mapping."""
-    from vllm_nccl_sync.engine.handshake import checkpoint_reference
-    from vllm_nccl_sync.wire.packing import dtype_name
-
     mc = vllm_config.model_config
     tied = bool(getattr(mc.hf_text_config, "tie_word_embeddings", False)
                 or getattr(mc.hf_config, "tie_word_embeddings", False))
@@ -91,21 +69,46 @@ def reference(vllm_config: Any) -> Reference | None:
                                 getattr(mc, "revision", None))
 
 
-def join(cfg: SyncConfig, rank_offset: int, vllm_config: Any, device: Any,
-         state: ReceiverState, adapters: Any = None) -> tuple[Receiver, WorkerRank]:
-    """Join the trainer's transfer group as this worker; blocks until the trainer's
-    `PushClient.connect()` meets it (at most `cfg.timeout_s`).
-
-    `device` is the worker's device (used for the NCCL data plane; gloo receives on the host);
-    `state` is what the worker holds across re-joins (version, consistency, counters);
-    `adapters` makes the loader of a LoRA adapter update (`lora.AdapterStore.loader`; None: the
-    engine refuses adapter updates).
-    """
-    where = replace(worker_rank(vllm_config.parallel_config, rank_offset),
-                    host=local_address(cfg.host))
-    dev = torch.device(device) if cfg.backend == "nccl" else None
-    receiver = Receiver(
-        cfg, where.rank, replica=where.replica, tp_rank=where.tp_rank, tp_size=where.tp_size,
-        device=dev, reference=reference(vllm_config), state=state, adapters=adapters,
+def _tensor_parallel() -> tuple[int, int]:
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
     )
-    return receiver, where
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def vllm_session(worker: Any, adapters: Callable[[Any, Reference | None], Any]) -> EngineSession:
+    """The session of a vLLM worker, or of anything shaped like one (`model_runner.model`,
+    `device`, `vllm_config`); `adapters(worker, reference)` makes its LoRA adapter store when the
+    engine runs with LoRA enabled (`lora.AdapterStore.for_worker` or `for_model`)."""
+    lora = getattr(worker.vllm_config, "lora_config", None) is not None
+    return EngineSession(lambda: worker.model_runner.model, _tensor_parallel,
+                         (lambda: adapters(worker, reference(worker.vllm_config))) if lora
+                         else None)
+
+
+def loaders(worker: Any) -> Callable[[], Any]:
+    """The `VllmWeightLoader` of `worker`'s current model, made once per model object."""
+    from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
+
+    held: list[Any] = []
+
+    def current() -> Any:
+        if not held or held[0].model is not worker.model_runner.model:
+            held[:] = [VllmWeightLoader(worker)]  # refuses, saying why, a model it cannot update
+        return held[0]
+
+    return current
+
+
+def join(session: EngineSession, cfg: SyncConfig, rank_offset: int, worker: Any,
+         made: Callable[[], Any]) -> Placement:
+    """Join the trainer's transfer group as `worker`, loading through `made` (`loaders`);
+    blocks until the trainer's `PushClient.connect()` meets it (at most `cfg.timeout_s`). This
+    worker's rank is `rank_offset + replica * workers_per_replica + local rank` (`worker_rank`)."""
+    vc = worker.vllm_config
+    where = replace(worker_rank(vc.parallel_config, rank_offset),
+                    details={"host": local_address(cfg.host)})
+    return session.join(cfg, where, made, reference=reference(vc),
+                        dtype=dtype_name(vc.model_config.dtype), device=torch.device(worker.device))

@@ -1,124 +1,166 @@
 """`WeightSync`: one object a trainer holds to keep one or many engines on its latest weights.
 
 It hosts the transfer group, joins every engine to it (rank offsets computed here), and for each
-update runs every engine's receive RPC concurrently with the push, so the caller writes one line:
-`sync.update(model.state_dict(), version=step)`.
+update runs every engine's receive call beside the push (`beside`), so the caller writes one
+line: `sync.update(model.state_dict(), version=step)`. A failed update raises what the push
+raised (same type, `errors`, `missing` and cause), carrying the workers' own reports.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 
-from vllm_nccl_sync.glue.engines import EngineHandle
-from vllm_nccl_sync.trainer.push import PushClient, PushError, PushResult
-from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.outcomes import PushError, WorkerSummary, clip
+from vllm_nccl_sync.trainer.adapters import adapter_update
+from vllm_nccl_sync.trainer.beside import Outcome, beside, engine_call_s
+from vllm_nccl_sync.trainer.push import PushClient, PushResult
+from vllm_nccl_sync.wire.config import SyncConfig, free_ports
 from vllm_nccl_sync.wire.protocol import AdapterSpec
+
+__all__ = ["EngineHandle", "WeightSync", "adapter_update", "free_port", "settle"]
+
+_DEFAULT = SyncConfig.defaults()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(host, 1)[0]
+
+
+class EngineHandle(Protocol):
+    """One engine (replica) as `WeightSync` drives it (vLLM's: `glue.engines`)."""
+
+    workers: int
+    """How many workers (tensor x pipeline parallel) receive in this engine."""
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Run `method` of the worker extension on every worker; one result per worker."""
+        ...
+
+    def pause(self, mode: str) -> None:
+        """Stop scheduling: `abort`, `wait` for, or `keep` in-flight requests."""
+        ...
+
+    def resume(self) -> None:
+        """Resume scheduling and reset the prefix cache (its KV came from the old weights)."""
+        ...
+
+
+def settle(version: int, pushed: Outcome, answers: list[Outcome],
+           engines: list[EngineHandle], offsets: list[int]) -> PushResult:
+    """The outcome of a push run `beside` every engine's receive call (engine i's workers are
+    ranks `offsets[i]`...): its result, or what the push raised (the same type, `errors`,
+    `missing` and cause) carrying every worker's report; a `PushError` naming the workers whose
+    reports failed although the push succeeded. An engine whose call failed counts as one
+    failed report per worker."""
+    summaries: list[WorkerSummary] = []
+    for i, (e, off, a) in enumerate(zip(engines, offsets, answers, strict=True)):
+        if a.ok:
+            summaries += [WorkerSummary.from_dict(s) for s in a.value]
+        else:
+            text = clip(f"engine {i}'s receive call failed: {a.error!r}", 500)
+            summaries += [WorkerSummary(ok=False, rank=off + w, error=text)
+                          for w in range(e.workers)]
+    if isinstance(pushed.error, PushError):
+        raise pushed.error.with_summaries(summaries) from pushed.error.__cause__
+    if pushed.error is not None:
+        raise pushed.error
+    failed = {s.rank: s.error or "failed" for s in summaries if not s.ok}
+    if failed:
+        raise PushError(f"update {version} was committed, but workers report a failure: "
+                        + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())),
+                        failed, summaries=summaries)
+    return pushed.value
 
 
 class WeightSync:
-    """Trainer-side driver of `engines`, all fed by one broadcast per bucket."""
+    """Trainer-side driver of `engines`, all fed by one broadcast per bucket.
+
+    Args: `backend` (`gloo` or `nccl`), `bucket_bytes`, `timeout_s` (every wait), `host` (the
+    address this trainer binds), `secret` (hex HMAC key): as in `SyncConfig`, whose defaults they
+    take; `device`: this trainer's data-plane device.
+    """
 
     def __init__(
         self,
         engines: list[EngineHandle],
         *,
-        backend: str = "gloo",
-        bucket_bytes: int | None = None,
-        timeout_s: float = 120.0,
-        host: str = "127.0.0.1",
-        secret: str = "",
+        backend: str = _DEFAULT["backend"],
+        bucket_bytes: int = _DEFAULT["bucket_bytes"],
+        timeout_s: float = _DEFAULT["timeout_s"],
+        host: str = _DEFAULT["host"],
+        secret: str = _DEFAULT["secret"],
         device: torch.device | None = None,
     ) -> None:
         if not engines:
             raise ValueError("WeightSync needs at least one engine")
         self.engines = engines
-        extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-        self.cfg = SyncConfig(
-            host=host,
-            control_port=free_port(host),
-            group_port=free_port(host),
-            world_size=1 + sum(e.workers for e in engines),
-            backend=backend,
-            timeout_s=timeout_s,
-            secret=secret,
-            **extra,
-        )
+        self.cfg = SyncConfig.build(host=host, world_size=1 + sum(e.workers for e in engines),
+                                    backend=backend, bucket_bytes=bucket_bytes,
+                                    timeout_s=timeout_s, secret=secret)
         self.offsets = [1 + sum(e.workers for e in engines[:i]) for i in range(len(engines))]
         self.client = PushClient(self.cfg, device)
-        self._pool = ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="nccl-sync")
 
-    def _on_all(self, method: str, args_for: list[tuple], timeout: float) -> list[Future]:
-        return [
-            self._pool.submit(e.call, method, *args, timeout=timeout)
-            for e, args in zip(self.engines, args_for, strict=True)
-        ]
+    def _calls(self, method: str, *args: Any) -> list:
+        bound = engine_call_s(self.cfg.timeout_s)
+        return [partial(e.call, method, *args, timeout=bound) for e in self.engines]
 
     def connect(self) -> list[list[dict[str, Any]]]:
-        """Join every engine's workers to the group; returns each worker's rank assignment."""
+        """Join every engine's workers to the group; returns each worker's rank assignment.
+        Raises what `PushClient.connect` raised, or the first engine's join failure."""
         cfg = self.cfg.to_dict()
-        futs = self._on_all("nccl_sync_join", [(cfg, off) for off in self.offsets],
-                            self.cfg.timeout_s + 30)
-        try:
-            self.client.connect()
-        except BaseException:
-            for f in futs:
-                f.cancel()
-            raise
-        return [f.result(timeout=self.cfg.timeout_s) for f in futs]
+        bound = engine_call_s(self.cfg.timeout_s)
+        calls = [partial(e.call, "nccl_sync_join", cfg, off, timeout=bound)
+                 for e, off in zip(self.engines, self.offsets, strict=True)]
+        joined, answers = beside(calls, self.client.connect, self.cfg.timeout_s,
+                                 name="nccl-sync-join")
+        if joined.error is not None:
+            raise joined.error
+        for a in answers:
+            if a.error is not None:
+                raise a.error
+        return [a.value for a in answers]
 
     def update(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         version: int,
         *,
         pause_mode: str = "wait",
         dtype: torch.dtype | None = None,
         force: bool = False,
+        staged: bool = False,
         adapter: AdapterSpec | None = None,
     ) -> PushResult:
-        """Push one complete update into every engine; raises `PushError` if any part failed.
+        """Push one complete update into every engine.
 
         Each engine is paused (`pause_mode`: `abort`, `wait` or `keep` its in-flight requests) for
         the update and resumed with its prefix cache reset, whatever the outcome. Engines refuse a
-        `version` not newer than the one they hold unless `force`. `adapter`: the tensors are
-        this LoRA adapter's (see `update_adapter`).
+        `version` not newer than the one they hold unless `force`; `staged`, `dtype` and
+        `adapter` (the tensors are this LoRA adapter's, see `update_adapter`) are `push`'s.
+        Raises what `PushClient.push` raised (`UpdateRefused`, `PushError`: the same type,
+        `errors`, `missing` and cause) with the workers' reports in `summaries`; a `PushError`
+        naming the workers whose reports failed when the push itself succeeded.
         """
         if pause_mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause_mode {pause_mode!r} must be 'abort', 'wait' or 'keep'")
+        self.client.check(named_tensors, dtype=dtype, adapter=adapter)  # before engines wait
         for e in self.engines:
             e.pause(pause_mode)
         try:
-            futs = self._on_all("nccl_sync_receive", [(self.cfg.timeout_s,)] * len(self.engines),
-                                self.cfg.timeout_s * 3)
-            error: BaseException | None = None
-            result = None
-            try:
-                result = self.client.push(named_tensors, version, dtype=dtype, force=force,
-                                          adapter=adapter)
-            except PushError as e:
-                error = e
-            summaries = [s for f in futs for s in f.result(timeout=self.cfg.timeout_s * 3)]
+            pushed, answers = beside(
+                self._calls("nccl_sync_receive", self.cfg.timeout_s),
+                partial(self.client.push, named_tensors, version, dtype=dtype, force=force,
+                        staged=staged, adapter=adapter),
+                self.cfg.timeout_s, name="nccl-sync-receive")
         finally:
             for e in self.engines:
                 e.resume()
-        failed = [s for s in summaries if not s.get("ok")]
-        if error is not None or failed:
-            detail = "; ".join(f"rank {s.get('rank')}: {s.get('error')}" for s in failed)
-            raise PushError(f"update {version} failed: {error or ''} {detail}".strip())
-        assert result is not None
-        return result
+        return settle(version, pushed, answers, self.engines, self.offsets)
 
     def update_adapter(
         self,
@@ -157,37 +199,6 @@ class WeightSync:
         return [e.call("nccl_sync_state", timeout=30) for e in self.engines]
 
     def close(self) -> None:
-        for e in self.engines:
-            try:
-                e.call("nccl_sync_close", timeout=30)
-            except Exception:  # engine may already be gone; closing is best effort
-                pass
+        """Leave the group on every engine (best effort: an engine may be gone) and close."""
+        beside(self._calls("nccl_sync_close"), lambda: None, 0.0, name="nccl-sync-close")
         self.client.close()
-        self._pool.shutdown(wait=False)
-
-
-def adapter_update(adapter: Any, name: str, lora_id: int, rank: int | None = None,
-                   alpha: float | None = None, target_modules: list[str] | None = None
-                   ) -> tuple[dict[str, torch.Tensor], AdapterSpec]:
-    """The tensors and `AdapterSpec` of a LoRA adapter update, from a PEFT model (its active
-    adapter, through `peft.get_peft_model_state_dict`) or from a mapping plus its config."""
-    if hasattr(adapter, "peft_config"):
-        from peft import get_peft_model_state_dict
-
-        cfg = adapter.peft_config[adapter.active_adapter]
-        tensors = dict(get_peft_model_state_dict(adapter))
-        rank = cfg.r if rank is None else rank
-        alpha = cfg.lora_alpha if alpha is None else alpha
-        targets = cfg.target_modules if target_modules is None else target_modules
-        if isinstance(targets, str):  # a regex or "all-linear": the modules the tensors name
-            from vllm_nccl_sync.glue.lora import split_name
-
-            targets = {split_name(n)[0] for n in tensors}
-        target_modules = sorted({t.rsplit(".", 1)[-1] for t in targets})  # PEFT may give paths
-    elif isinstance(adapter, Mapping):
-        tensors = dict(adapter)
-    else:
-        raise TypeError(f"adapter must be a PEFT model or a mapping, not {type(adapter).__name__}")
-    if rank is None or alpha is None or target_modules is None:
-        raise ValueError("a mapping of LoRA tensors needs rank, alpha and target_modules")
-    return tensors, AdapterSpec(name, lora_id, int(rank), float(alpha), list(target_modules))

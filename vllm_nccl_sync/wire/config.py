@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+import contextlib
+import socket
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 from vllm_nccl_sync.wire.packing import ALIGN
 
 BACKENDS = ("gloo", "nccl")
-"""Data-plane backends, chosen by name."""
+"""Data planes both ends may name (`vllm_nccl_sync/planes/<name>.py` each)."""
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """512 MiB: on 2x H200 (NVLink) end-to-end updates of 8-16 GB models then run at 0.88-0.91 of a raw
@@ -68,6 +70,33 @@ class SyncConfig:
             raise ValueError("timeout_s must be positive")
         bytes.fromhex(self.secret)  # raises ValueError if not hex
 
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every field that has a default, with it (`timeout_s` 120 s, `bucket_bytes` 512 MiB,
+        ...): the one place front doors take their defaults from."""
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+    @classmethod
+    def build(cls, **kwargs: Any) -> SyncConfig:
+        """A config from a front door's own keyword arguments, without restating any default.
+
+        A value of None takes the field's default; a `control_port` or `group_port` that is
+        missing, None or 0 becomes a port free on `host` right now (the two distinct, and
+        distinct from a given one). `world_size` is required. Raises `ValueError` for an unknown
+        field or an invalid value (as the constructor does).
+        """
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        unknown = set(given) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown SyncConfig fields: {sorted(unknown)}")
+        if "world_size" not in given:
+            raise ValueError("SyncConfig.build needs world_size")
+        host = given.get("host", cls.defaults()["host"])
+        pick = [name for name in ("control_port", "group_port") if not given.get(name)]
+        taken = {given[name] for name in ("control_port", "group_port") if given.get(name)}
+        given.update(zip(pick, free_ports(host, len(pick), taken), strict=True))
+        return cls(**given)
+
     @property
     def num_senders(self) -> int:
         """M: the senders of every update (ranks 0..M-1)."""
@@ -84,17 +113,33 @@ class SyncConfig:
 
     @property
     def secret_bytes(self) -> bytes | None:
+        """The shared secret as bytes (None: none)."""
         return bytes.fromhex(self.secret) if self.secret else None
 
     def to_dict(self) -> dict[str, Any]:
+        """A msgpack/JSON-friendly dict (`from_dict` takes it back)."""
         d = asdict(self)
         d["senders"] = [list(a) for a in self.senders]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SyncConfig:
+        """The config of `to_dict`; `ValueError` for unknown fields or invalid values."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown SyncConfig fields: {sorted(unknown)}")
         return cls(**d)
+
+
+def free_ports(host: str, n: int, taken: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`n` distinct TCP ports free on `host` right now, none of them in `taken` (all bound at
+    once while they are picked, so they differ)."""
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:
+        while len(ports) < n:
+            s = held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            s.bind((host, 0))
+            if s.getsockname()[1] not in taken:
+                ports.append(s.getsockname()[1])
+    return ports

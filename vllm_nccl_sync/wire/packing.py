@@ -233,17 +233,20 @@ def pack(bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
 
 
 def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> None:
-    """Check a header against the protocol's rules before any byte moves; `ValueError` if broken.
+    """Check a decoded header against the rules between its fields before any byte moves;
+    `ValueError` naming the first one broken.
 
-    Rules: the expected sequence number; `0 <= length <= capacity`; unique names; known dtypes;
-    non-negative shapes of at most 2**63 - 1 bytes; aligned, in-range, non-overlapping slots; whole
-    elements; chunk ranges inside their tensor; and `length` equal to the end of the last slot (no
-    bytes beyond the payload).
+    The types already hold each value to its bounds (non-negative sizes, at most `MAX_DIMS`
+    dimensions of at most 2**63 - 1, bounded names and slot counts: `protocol.py`), as `decode`
+    enforces them. Rules here: the expected sequence number; `length <= capacity`; unique names;
+    known dtypes; shapes of at most 2**63 - 1 bytes; aligned, in-range, non-overlapping slots;
+    whole elements; chunk ranges inside their tensor; and `length` equal to the end of the last
+    slot (no bytes beyond the payload).
     """
     if header.seq != expected_seq:
         kind = "repeat" if header.seq < expected_seq else "gap"
         raise ValueError(f"bucket sequence {kind}: got seq {header.seq}, expected {expected_seq}")
-    if not 0 <= header.length <= capacity:
+    if header.length > capacity:
         raise ValueError(f"bucket length {header.length} outside [0, capacity {capacity}]")
     end = 0
     names: set[str] = set()
@@ -253,18 +256,15 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
         names.add(s.name)
         if s.dtype not in DTYPES:
             raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
-        if any(d < 0 for d in s.shape):
-            raise ValueError(f"tensor {s.name!r}: negative dimension in shape {s.shape}")
         itemsize = DTYPES[s.dtype].itemsize
-        if any(d > _MAX_INT64 for d in s.shape) or _numel_exceeds(s.shape, _MAX_INT64 // itemsize):
+        if _numel_exceeds(s.shape, _MAX_INT64 // itemsize):
             raise ValueError(f"tensor {s.name!r}: shape too large for a tensor")
         total = tensor_nbytes(s.dtype, s.shape)
         if s.offset < end:
-            what = "is negative" if s.offset < 0 else "overlaps the previous slot"
-            raise ValueError(f"tensor {s.name!r}: offset {s.offset} {what}")
+            raise ValueError(f"tensor {s.name!r}: offset {s.offset} overlaps the previous slot")
         if s.offset % ALIGN:
             raise ValueError(f"tensor {s.name!r}: offset {s.offset} not aligned to {ALIGN}")
-        if s.nbytes < 0 or s.start < 0 or s.nbytes % itemsize or s.start % itemsize:
+        if s.nbytes % itemsize or s.start % itemsize:
             raise ValueError(f"tensor {s.name!r}: byte range not made of whole {s.dtype} elements")
         if s.start + s.nbytes > total:
             raise ValueError(

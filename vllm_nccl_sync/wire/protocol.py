@@ -40,16 +40,59 @@ after its last one, and ends with the coordinator's `Commit` or `Abort`. One sen
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from vllm_nccl_sync.outcomes import ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on every incompatible change of these messages or of the checksums they carry
-(5: the CPU bucket checksum sums rows of 512 bytes)."""
+(5: the CPU bucket checksum sums rows of 512 bytes; 6: `Hello` carries the engine's `dtype`, and
+the decoder enforces the bounds below)."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Upper bound of one control frame; larger frames are rejected before decoding."""
+
+MAX_NAME_CHARS = 1024
+"""A tensor's, an adapter's or a target module's name."""
+MAX_WORD_CHARS = 64
+"""A dtype or backend name."""
+MAX_DIMS = 32
+"""Dimensions of one shape."""
+MAX_TENSORS = 1 << 18
+"""Tensors of a `Plan` or an `Offer`; slots of one bucket."""
+MAX_PLAN_BUCKETS = 1 << 17
+"""Headers one `Plan` carries."""
+MAX_BUCKETS = 1 << 20
+"""Buckets of one update: the checksums of a `Seal` or a `Sent`."""
+MAX_TARGET_MODULES = 1024
+"""Target modules of one LoRA adapter."""
+# The bounds, once: the decoder refuses a frame past any of them with the path of the value
+# (`invalid message: Expected `int` >= 0 - at `$.buckets[3].length``). Each one is far above what
+# a real model needs, and a message at any one bound (with one-character names) still fits in
+# MAX_FRAME_BYTES: a Plan of MAX_TENSORS specs is 6.8 MB, a bucket of MAX_TENSORS slots 12.8 MB,
+# a Plan of MAX_PLAN_BUCKETS empty headers 10.6 MB, a Seal of MAX_BUCKETS checksums 9.4 MB.
+# Integers are non-negative (-1 only where it means "none": `Ready.version`, `Error.seq`,
+# `Error.version`, `Abort.seq`); dimensions and checksums fit an int64. Texts that are reports
+# (`Abort.reason`, `Error.message`/`traceback`) are clipped by the channel instead, so that an
+# over-long report still arrives. Rules between fields (offsets inside a bucket, sizes against
+# dtype x shape, slot order) are `packing.validate_header`'s.
+
+_INT64 = 2**63 - 1
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""A length, offset, byte count, seq, version or rank."""
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+OrNone = Annotated[int, msgspec.Meta(ge=-1)]
+"""A seq or version where -1 means none."""
+Dim = Annotated[int, msgspec.Meta(ge=0, le=_INT64)]
+Checksum = Annotated[int, msgspec.Meta(ge=0, le=_INT64)]
+"""`integrity.checksum` of a bucket's wire bytes; 0: none."""
+Phase = Annotated[int, msgspec.Meta(ge=1, le=2)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Word = Annotated[str, msgspec.Meta(max_length=MAX_WORD_CHARS)]
+Shape = Annotated[list[Dim], msgspec.Meta(max_length=MAX_DIMS)]
+Checksums = Annotated[list[Checksum], msgspec.Meta(max_length=MAX_BUCKETS)]
 
 
 class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,20 +102,23 @@ class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the full tensor (0 unless the tensor is split over several buckets).
     """
 
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-    start: int = 0
+    name: Name
+    dtype: Word
+    shape: Shape
+    offset: Count
+    nbytes: Count
+    start: Count = 0
 
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A full tensor as the trainer will send it: HF name, wire dtype, full shape."""
 
-    name: str
-    dtype: str
-    shape: list[int]
+    name: Name
+    dtype: Word
+    shape: Shape
+
+
+Tensors = Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
 
 
 class AdapterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -82,26 +128,26 @@ class AdapterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     adds the adapter under `name`/`id`, or replaces the weights of the one it already holds.
     """
 
-    name: str
-    id: int
-    rank: int
+    name: Name
+    id: Count
+    rank: Count
     alpha: float
-    target_modules: list[str]
+    target_modules: Annotated[list[Name], msgspec.Meta(max_length=MAX_TARGET_MODULES)]
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
     """Receiver -> sender once it has joined: who it is and what it can take."""
 
     protocol: int
-    rank: int
-    replica: int
-    tp_rank: int
-    tp_size: int
-    bucket_bytes: int
-    backend: str
+    rank: Count
+    replica: Count
+    tp_rank: Count
+    tp_size: Positive
+    bucket_bytes: Positive
+    backend: Word
     checksums: bool = True
     """This receiver refuses buckets that no sender checksum covers (its own policy)."""
-    dtype: str = ""
+    dtype: Word = ""
     """The dtype the engine holds its floating-point weights in ("": not known); the trainer
     casts to it where the cast is faithful."""
 
@@ -111,16 +157,16 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     sender -> receivers on its own for the later buckets of a stream."""
 
     protocol: int
-    version: int
-    seq: int
-    length: int
+    version: Count
+    seq: Count
+    length: Count
     is_last: bool
-    slots: list[Slot]
+    slots: Annotated[list[Slot], msgspec.Meta(max_length=MAX_TENSORS)]
     force: bool = False
     """Accept a `version` not newer than the one the engine holds (rollback on purpose)."""
     staged: bool = False
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
-    src: int = 0
+    src: Count = 0
     """The sender whose data-plane group carries this bucket (0 with one sender)."""
 
 
@@ -135,13 +181,13 @@ class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
     """
 
     protocol: int
-    version: int
-    tensors: list[TensorSpec]
+    version: Count
+    tensors: Tensors
     full: bool = False
     force: bool = False
     adapter: AdapterSpec | None = None
     """None: the update replaces base weights; else it adds or replaces this LoRA adapter."""
-    buckets: list[BucketHeader] = []
+    buckets: Annotated[list[BucketHeader], msgspec.Meta(max_length=MAX_PLAN_BUCKETS)] = []
     """Headers of buckets 0, 1, ... of this update (at least bucket 0)."""
     staged: bool = False
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
@@ -152,9 +198,9 @@ class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True
     collectives once a `Go` covers them."""
 
     protocol: int
-    rank: int
-    seq: int
-    version: int = -1
+    rank: Count
+    seq: Count
+    version: OrNone = -1
 
 
 class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
@@ -162,8 +208,8 @@ class Go(msgspec.Struct, tag="go", frozen=True, forbid_unknown_fields=True):
     collectives will all be posted, in order, whatever happens afterwards."""
 
     protocol: int
-    version: int
-    seq: int
+    version: Count
+    seq: Count
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True, forbid_unknown_fields=True):
@@ -173,9 +219,9 @@ class Digest(msgspec.Struct, tag="digest", frozen=True, forbid_unknown_fields=Tr
     (computed on the GPU, read once per update)."""
 
     protocol: int
-    version: int
-    seq: int
-    checksum: int
+    version: Count
+    seq: Count
+    checksum: Checksum
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -183,8 +229,8 @@ class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True
     past the last bucket: the commit round). No collective of `seq` or later will be posted."""
 
     protocol: int
-    version: int
-    seq: int
+    version: Count
+    seq: OrNone
     reason: str
 
 
@@ -193,9 +239,9 @@ class Seal(msgspec.Struct, tag="seal", frozen=True, forbid_unknown_fields=True):
     checksums are `checksums` (one per bucket, 0: none). Opens the commit round."""
 
     protocol: int
-    version: int
-    buckets: int
-    checksums: list[int]
+    version: Count
+    buckets: Count
+    checksums: Checksums
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
@@ -203,21 +249,21 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     Phase 2 (staged): the verified update is loaded."""
 
     protocol: int
-    rank: int
-    version: int
-    buckets: int
-    bytes: int
-    tensors: int
-    seconds: float
-    phase: int = 1
+    rank: Count
+    version: Count
+    buckets: Count
+    bytes: Count
+    tensors: Count
+    seconds: Annotated[float, msgspec.Meta(ge=0)]
+    phase: Phase = 1
 
 
 class Commit(msgspec.Struct, tag="commit", frozen=True, forbid_unknown_fields=True):
     """Sender -> receivers: every receiver acknowledged `phase` of update `version`."""
 
     protocol: int
-    version: int
-    phase: int
+    version: Count
+    phase: Phase
 
 
 class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True):
@@ -226,20 +272,20 @@ class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True
     cannot fail the next one."""
 
     protocol: int
-    rank: int
-    seq: int
+    rank: Count
+    seq: OrNone
     message: str
     traceback: str = ""
-    version: int = -1
+    version: OrNone = -1
 
 
 class SenderHello(msgspec.Struct, tag="sender_hello", frozen=True, forbid_unknown_fields=True):
     """Sender `rank` (1..M-1) -> the coordinator (sender 0) once it has joined."""
 
     protocol: int
-    rank: int
-    bucket_bytes: int
-    backend: str
+    rank: Count
+    bucket_bytes: Positive
+    backend: Word
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True, forbid_unknown_fields=True):
@@ -247,9 +293,9 @@ class Offer(msgspec.Struct, tag="offer", frozen=True, forbid_unknown_fields=True
     can send. `owned`: it owns exactly these (else they are candidates, balanced by bytes)."""
 
     protocol: int
-    rank: int
-    version: int
-    tensors: list[TensorSpec]
+    rank: Count
+    version: Count
+    tensors: Tensors
     owned: bool = True
 
 
@@ -258,13 +304,14 @@ class Sent(msgspec.Struct, tag="sent", frozen=True, forbid_unknown_fields=True):
     the checksum of each of its buckets, by seq (0: none)."""
 
     protocol: int
-    rank: int
-    version: int
-    checksums: dict[int, int]
+    rank: Count
+    version: Count
+    checksums: Annotated[dict[Count, Checksum], msgspec.Meta(max_length=MAX_BUCKETS)]
 
 
 Message = (Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit | Error
            | SenderHello | Offer | Sent)
+
 
 def belongs(msg: Message, version: int) -> bool:
     """The version rule: is `msg` a message of update `version`?
@@ -289,7 +336,9 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes | memoryview) -> Message:
-    """Decode one frame into a `Message`, or raise `ProtocolError` naming what is wrong."""
+    """Decode one frame into a `Message`, or raise `ProtocolError` naming what is wrong: a frame
+    over `MAX_FRAME_BYTES`, bytes that are no message, a value past the types' bounds (with its
+    path), or another protocol version (of the message, or of a header nested in a `Plan`)."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
@@ -304,4 +353,9 @@ def decode(frame: bytes | memoryview) -> Message:
         raise ProtocolError(
             f"protocol version {msg.protocol} received, this side speaks {PROTOCOL_VERSION}"
         )
+    if isinstance(msg, Plan):
+        for i, h in enumerate(msg.buckets):
+            if h.protocol != PROTOCOL_VERSION:
+                raise ProtocolError(f"bucket {i} of the plan speaks protocol {h.protocol}, "
+                                    f"this side {PROTOCOL_VERSION}")
     return msg

@@ -1,0 +1,125 @@
+"""`bench_pause.py`'s analysis: the stall and the phases of each update from the recorded events
+and token times, their summary per pause mode, and the report's table."""
+
+from __future__ import annotations
+
+import statistics
+
+TARGET_S = 0.020
+"""The stall may exceed the push by at most this."""
+PHASES = ("lead_in", "pause", "to_push", "push", "to_rpc_return", "reset_prefix_cache", "resume",
+          "to_first_token")
+
+
+
+def gap_around(times: list[float], t: float) -> tuple[float, float] | None:
+    """(last arrival <= t, first arrival > t) in sorted `times`, or None."""
+    import bisect
+
+    i = bisect.bisect_right(times, t)
+    return (times[i - 1], times[i]) if 0 < i < len(times) else None
+
+
+def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clients: int) -> dict:
+    """The stall and where it went, for one update whose calls are `ev`."""
+    times = sorted(t for t, _ in tokens)
+    push, rpc = ev["push"], ev.get("rpc:nccl_sync_receive")
+    gap = gap_around(times, push["t0"])
+    out = {**u, "push_s": push["t1"] - push["t0"], "push_reported_s": push["reported_s"],
+           "buckets": push["buckets"], "rpc_s": rpc and rpc["t1"] - rpc["t0"],
+           "rx_s": rpc and [s.get("seconds") for s in rpc["result"]],
+           "calls": sorted(ev),
+           "tokens_during_push": sum(push["t0"] < t < push["t1"] for t in times)}
+    if gap is None:
+        out["error"] = "no token before or after the push"
+        return out
+    stop, go = gap
+
+    def span(a: dict | None, ka: str, b: dict | None, kb: str) -> float | None:
+        return None if a is None or b is None else b[kb] - a[ka]
+
+    edge = {"t0": stop, "t1": go}  # the stall's ends, as pseudo-events
+    pause, reset, resume = ev.get("pause"), ev.get("reset_prefix_cache"), ev.get("resume")
+    out["stall_s"] = go - stop
+    out["phases_s"] = {
+        "lead_in": span(edge, "t0", pause, "t0"), "pause": span(pause, "t0", pause, "t1"),
+        "to_push": span(pause, "t1", push, "t0"), "push": span(push, "t0", push, "t1"),
+        "to_rpc_return": span(push, "t1", rpc, "t1"),
+        "reset_prefix_cache": span(reset, "t0", reset, "t1"),
+        "resume": span(resume, "t0", resume, "t1"),
+        "to_first_token": span(resume or reset or rpc, "t1", edge, "t1")}
+    out["phases_s"]["other"] = out["stall_s"] - sum(
+        x for x in out["phases_s"].values() if x is not None)
+    per = []
+    for c in range(clients):
+        g = gap_around(sorted(t for t, k in tokens if k == c), push["t0"])
+        if g is not None:
+            per.append(g[1] - g[0])
+    out["client_stall_s"] = {"median": statistics.median(per), "max": max(per)} if per else None
+    out["excess_s"] = out["stall_s"] - out["push_s"]
+    out["paused_s"] = span(pause, "t0", resume, "t1")
+    out["paused_excess_s"] = None if out["paused_s"] is None else out["paused_s"] - out["push_s"]
+    out["target_met"] = out["paused_excess_s"] is not None and out["paused_excess_s"] <= TARGET_S
+    return out
+
+
+def step_interval(tokens: list[tuple[float, int]], windows: list[tuple[float, float]]) -> float:
+    """Median gap between a client's consecutive token arrivals, over all clients, leaving out
+    the gaps that overlap an update (`windows`): the engine's step as the clients see it."""
+    gaps = []
+    for c in {k for _, k in tokens}:
+        times = sorted({t for t, k in tokens if k == c})
+        gaps += [b - a for a, b in zip(times, times[1:])
+                 if not any(w0 < b and a < w1 for w0, w1 in windows)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def summarise(updates: list[dict]) -> dict[str, dict]:
+    """Per pause mode: median and max of the stall, the push and every phase."""
+    out = {}
+    for mode in dict.fromkeys(u["mode"] for u in updates):
+        ok = [u for u in updates if u["mode"] == mode and "stall_s" in u]
+        if not ok:
+            continue
+
+        def mm(xs: list[float]) -> dict[str, float]:
+            return {"median": statistics.median(xs), "max": max(xs)}
+
+        out[mode] = {
+            "updates": len(ok), "stall_s": mm([u["stall_s"] for u in ok]),
+            "push_s": mm([u["push_s"] for u in ok]), "excess_s": mm([u["excess_s"] for u in ok]),
+            "paused_s": mm([u["paused_s"] for u in ok]),
+            "paused_excess_s": mm([u["paused_excess_s"] for u in ok]),
+            "client_stall_max_s": mm([u["client_stall_s"]["max"] for u in ok]),
+            "phases_s": {p: mm([u["phases_s"][p] for u in ok])
+                         if all(u["phases_s"][p] is not None for u in ok) else None
+                         for p in (*PHASES, "other")},
+            "target_met_all": all(u["target_met"] for u in ok),
+        }
+    return out
+
+
+def table(rep: dict) -> str:
+    def ms(d: dict | None) -> str:
+        return "-" if d is None else f"{d['median'] * 1e3:.1f} ({d['max'] * 1e3:.1f})"
+
+    gb, env = rep["model"]["bytes"] / 1e9, rep["env"]
+    lines = [f"`{rep['command']}`", "",
+             f"Machine: {env.get('gpu', 'CPU (gloo)')}, torch {env.get('torch')}, CUDA "
+             f"{env.get('cuda')}, NCCL {env.get('nccl', '-')}, vLLM {env.get('vllm', '-')}; "
+             f"engine {'with' if rep['compiled'] else 'without'} torch.compile + CUDA graphs; "
+             f"pushed over {rep['data_plane']}"
+             f"{' from the host' if rep['data_plane'] == 'gloo' else ''}.", "",
+             f"Model: {gb:.2f} GB bf16, {rep['model']['tensors']} tensors; {rep['clients']} "
+             f"streaming clients; step interval {rep['step_interval_s'] * 1e3:.1f} ms; "
+             f"median (max) of {rep['updates_per_mode']} updates per mode, ms.", "",
+             "| mode | paused | push | paused - push | paused <= push + 20 ms | stall | "
+             "stall - push | worst client | " + " | ".join(PHASES) + " | other |",
+             "| --- " * (len(PHASES) + 9) + "|"]
+    for mode, s in rep["summary"].items():
+        lines.append(f"| {mode} | {ms(s['paused_s'])} | {ms(s['push_s'])} "
+                     f"| {ms(s['paused_excess_s'])} | {'yes' if s['target_met_all'] else 'NO'} "
+                     f"| {ms(s['stall_s'])} | {ms(s['excess_s'])} "
+                     f"| {ms(s['client_stall_max_s'])} | "
+                     + " | ".join(ms(s["phases_s"][p]) for p in (*PHASES, "other")) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""The trainer's parts on their own: the control rounds over real ZeroMQ sockets (absolute
+deadlines, the version rule, refusals), the bucket lane (zero copy, a broadcast that raises),
+the cast rule, and the one set of defaults.
+
+No test sleeps and then asserts: deadlines only bound waits."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
+from vllm_nccl_sync.trainer.lane import BucketLane
+from vllm_nccl_sync.trainer.rounds import Rounds
+from vllm_nccl_sync.trainer.sync import WeightSync, free_port
+from vllm_nccl_sync.trainer.tensors import Caster, engine_dtype, faithful
+from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.packing import plan_buckets
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
+from vllm_nccl_sync.wire.protocol import Abort, Error, Go, Hello, Plan, Ready
+
+# ---------------------------------------------------------------- rounds
+
+
+def hello(rank: int, dtype: str = "") -> Hello:
+    return Hello(P, rank, 0, 0, 1, 1024, "gloo", True, dtype)
+
+
+@pytest.fixture
+def joined():
+    """A trainer's channel and receivers 1 and 2 joined to it (each knows the trainer's epoch)."""
+    port = free_port()
+    trainer = SenderChannel("127.0.0.1", port)
+    rxs = [ReceiverChannel("127.0.0.1", port, r) for r in (1, 2)]
+    deadline = time.monotonic() + 30
+    for rx in rxs:
+        rx.send(hello(rx.rank))
+    seen: set[int] = set()
+    while seen != {1, 2}:
+        seen.add(trainer.recv(deadline)[0])
+    for rx in rxs:
+        trainer.send(rx.rank, Go(P, 0, 0))
+        assert rx.recv(30) == Go(P, 0, 0)
+    yield trainer, rxs
+    for rx in rxs:
+        rx.close()
+    trainer.close()
+
+
+def test_stale_messages_never_extend_a_gather(joined):
+    """Rank 1 keeps sending messages of other updates; the wait for update 5's Ready still ends
+    at its deadline, naming rank 1 as missing (an Error of another update fails nothing)."""
+    trainer, (rx1, rx2) = joined
+    stop = threading.Event()
+
+    def stale() -> None:
+        end = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < end:
+            rx1.send(Ready(P, 1, 0, 4))
+            rx1.send(Error(P, 1, 0, "an old failure", "", 3))
+            stop.wait(0.02)
+
+    rx2.send(Ready(P, 2, 0, 5))
+    spam = threading.Thread(target=stale, daemon=True)
+    spam.start()
+    rounds = Rounds(trainer, [1, 2], timeout_s=1.0)
+    rounds.begin(5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PushError) as e:
+            rounds.gather(Ready, seq=0)
+    finally:
+        stop.set()
+        spam.join()
+    assert time.monotonic() - t0 < 20  # the 60 s of stale traffic did not hold it open
+    assert e.value.missing == [1] and e.value.errors == {}, e.value
+    assert "no Ready from ranks [1] within 1.0 s" in str(e.value)
+
+
+def test_an_error_naming_no_update_fails_the_open_one(joined):
+    trainer, (rx1, rx2) = joined
+    rx1.send(Error(P, 1, -1, "rank 1 could not start", "", -1))  # version -1: belongs
+    rx2.send(Ready(P, 2, 0, 5))
+    rounds = Rounds(trainer, [1, 2], timeout_s=20.0)
+    rounds.begin(5)
+    with pytest.raises(PushError) as e:
+        rounds.gather(Ready, seq=0)
+    assert e.value.errors == {1: "rank 1 could not start"} and not e.value.missing
+    assert str(e.value) == "update 5 failed waiting for Ready: rank 1 could not start"
+
+
+def test_a_refused_plan_is_aborted_everywhere_and_reported_once(joined):
+    trainer, (rx1, rx2) = joined
+    rounds = Rounds(trainer, [1, 2], timeout_s=20.0)
+    rounds.begin(7)
+    plan = Plan(P, 7, [])
+
+    def answer() -> None:
+        assert isinstance(rx1.recv(20), Plan) and isinstance(rx2.recv(20), Plan)
+        rx1.send(Error(P, 1, -1, "rank 1 refused update 7: tensor 'x': shape [3] != [4]", "", 7))
+        rx2.send(Ready(P, 2, 0, 7))
+
+    peer = threading.Thread(target=answer, daemon=True)
+    peer.start()
+    with pytest.raises(UpdateRefused) as e:
+        rounds.open(plan, 0)
+    peer.join()
+    assert str(e.value) == ("update 7 refused at the plan: rank 1 refused update 7: tensor 'x': "
+                            "shape [3] != [4]")
+    assert e.value.errors == {1: "rank 1 refused update 7: tensor 'x': shape [3] != [4]"}
+    for rx in (rx1, rx2):  # no Go: every receiver hears the Abort of the plan
+        got = rx.recv(20)
+        assert isinstance(got, Abort) and (got.version, got.seq) == (7, -1), got
+
+
+# ---------------------------------------------------------------- lane
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class FakePlane:
+    """A data plane that records what it is asked to broadcast; broadcast number `fail_at`
+    raises as gloo does when a receiver's connection is already gone."""
+
+    device = torch.device("cpu")
+    digest_per_bucket = True
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.posted: list[torch.Tensor] = []
+        self.fail_at = fail_at
+
+    def broadcast(self, tensor: torch.Tensor):
+        self.posted.append(tensor)
+        if len(self.posted) == self.fail_at:
+            raise RuntimeError("Connection reset by peer")
+        return _Done()
+
+    def extend(self, seconds: float) -> None:
+        pass
+
+
+def test_a_bucket_whose_only_moving_slot_is_one_tensor_is_sent_from_its_memory():
+    """A zero-byte tensor beside it moves nothing, so it does not force a pack copy; two moving
+    tensors are packed into the lane's buffer."""
+    w, v = torch.randn(1000), torch.randn(10)
+    lane = BucketLane(FakePlane(), 16 * 1024, check=True, timeout_s=10, digest=lambda d: None)
+    [b] = list(plan_buckets([("empty", torch.empty(0)), ("w", w)], 16 * 1024))
+    assert [s.nbytes for s in b.slots] == [0, 4000]
+    assert lane.wire(b.slots, b.sources).data_ptr() == w.data_ptr()
+    [b2] = list(plan_buckets([("w", w), ("v", v)], 16 * 1024))
+    wire = lane.wire(b2.slots, b2.sources)
+    assert wire.data_ptr() == lane.buffers[0].data_ptr() and wire.numel() == b2.length
+
+
+def test_a_broadcast_that_raises_is_a_lost_peer_and_every_agreed_bucket_is_still_posted():
+    plane = FakePlane(fail_at=2)
+    digests = []
+    lane = BucketLane(plane, 16 * 1024, check=True, timeout_s=10, digest=digests.append)
+    buckets = list(plan_buckets([(f"t{i}", torch.randn(3000)) for i in range(3)], 16 * 1024,
+                                alone=8 * 1024))
+    assert len(buckets) == 3
+    for seq, b in enumerate(buckets):
+        h = b.header(1, seq, seq == 2, P)
+        lane.post(h, lambda b=b: lane.wire(b.slots, b.sources))  # never raises
+    assert len(plane.posted) == 3 and lane.posted == 3 and lane.failure is None
+    [lost] = lane.lost
+    assert isinstance(lost, PeerFailed) and "broadcast of bucket 1 failed" in str(lost)
+    assert [d.seq for d in digests] == [0, 1, 2]  # the plane wants a Digest per bucket
+    text, left = lane.lost_problem(0)
+    assert "Connection reset by peer" in text and left == []
+    assert set(lane.drain()) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- the cast rule
+
+
+def test_the_cast_rule():
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert faithful(bf16, f32) and faithful(f16, f32) and faithful(f32, bf16)
+    assert faithful(f16, bf16) and faithful(f16, f16)
+    assert not faithful(f32, f16) and not faithful(bf16, f16)
+    auto = Caster(None, "float32")
+    assert auto("w", torch.ones(2, dtype=bf16)).dtype == f32
+    assert auto("n", torch.ones(2, dtype=torch.int64)).dtype == torch.int64  # never cast
+    e4m3 = torch.ones(2).to(torch.float8_e4m3fn)
+    assert auto("q", e4m3).dtype == torch.float8_e4m3fn  # the engine's plan check judges it
+    assert auto.cast == {"bfloat16": "float32"}
+    with pytest.raises(PushError, match=r"'w' is float32 and the engine holds float16: a cast "
+                                        r"into float16 can overflow; .*push\(dtype=torch"):
+        Caster(None, "float16")("w", torch.ones(2))
+    assert Caster(f16, "float32")("w", torch.ones(2)).dtype == f16  # an explicit dtype wins
+    assert Caster(None, "")("w", torch.ones(2, dtype=bf16)).dtype == bf16  # unknown: as is
+    assert engine_dtype({1: hello(1, "bfloat16"), 2: hello(2, "bfloat16"), 3: hello(3)}) == \
+        "bfloat16"
+    with pytest.raises(PushError, match=r"ranks \[1\] hold bfloat16; ranks \[2\] hold float32"):
+        engine_dtype({1: hello(1, "bfloat16"), 2: hello(2, "float32")})
+
+
+# ---------------------------------------------------------------- one set of defaults
+
+
+def test_front_doors_take_syncconfig_defaults():
+    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine
+
+    default = SyncConfig.defaults().__getitem__
+    assert default("timeout_s") == 120.0
+    sig = inspect.signature(WeightSync)
+    verl = inspect.signature(VllmNcclSyncCheckpointEngine)
+    for name in ("timeout_s", "backend", "bucket_bytes", "host", "secret"):
+        assert sig.parameters[name].default == default(name), name
+    assert verl.parameters["timeout_s"].default == default("timeout_s")
+    assert verl.parameters["bucket_size"].default == default("bucket_bytes")
+    cfg = SyncConfig(control_port=1, group_port=2, world_size=2)
+    assert cfg.timeout_s == default("timeout_s") and cfg.bucket_bytes == default("bucket_bytes")

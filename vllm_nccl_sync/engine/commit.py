@@ -1,0 +1,88 @@
+"""A receiver's commit round: `Seal`, `Ack`, `Commit`; staged: then load, `Ack(2)`, `Commit(2)`.
+
+Its order is a rule: a message of the update that is already here when this receiver is about to
+send its `Ack` was sent before the sender could have heard that `Ack`, so a `Commit` then is
+refused (an `Abort` ends the update as it always may).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm_nccl_sync.engine.dataplane import ReceivePlane
+from vllm_nccl_sync.engine.inbox import Inbox, Wait
+from vllm_nccl_sync.engine.state import WeightLoader
+from vllm_nccl_sync.engine.update import Update
+from vllm_nccl_sync.outcomes import UpdateFailed, clip
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, Ack, Commit, Seal
+
+log = logging.getLogger(__name__)
+
+
+class CommitRound:
+    """The commit round of receiver `rank`: sends bounded by `timeout_s`, the sender's verdicts
+    awaited for `verdict_s`."""
+
+    def __init__(self, inbox: Inbox, plane: ReceivePlane, rank: int, timeout_s: float,
+                 verdict_s: float) -> None:
+        self.inbox, self.plane, self.rank = inbox, plane, rank
+        self.timeout_s, self.verdict_s = timeout_s, verdict_s
+
+    def seal(self, u: Update) -> Seal:
+        """The sender's `Seal` after the last bucket (anything else breaks the protocol); the
+        loads queued so far have run when it returns."""
+        seal = self.inbox.next(u, Wait(f"the Seal of update {u.version}", self.verdict_s))
+        if not isinstance(seal, Seal):
+            raise self.inbox.violation(u, f"expected Seal after bucket {u.seq}, "
+                                          f"got {clip(repr(seal), 200)}")
+        u.sealed = True
+        self.plane.settle(self.timeout_s)
+        return seal
+
+    def run(self, loader: WeightLoader, u: Update) -> None:
+        """`Ack(1)`, `Commit(1)`; staged: then load everything, `Ack(2)`, `Commit(2)`."""
+        self._ack(1, u)
+        if u.staged:
+            u.exposed = True  # the sender may tell others to load from here on
+        self._commit(1, u)
+        if not u.staged:
+            return
+        try:
+            with self.plane.loading():
+                loader.begin()
+                u.began = True
+                loader.load(u.staged_tensors)
+                u.staged_tensors = []
+                loader.finish()
+            self.plane.settle(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
+            u.failed = f"rank {self.rank} failed loading the staged update: {clip(repr(e))}"
+            log.exception("loading the staged update failed")
+            self.inbox.tell(u, u.seq + 1, u.failed)
+            raise UpdateFailed(u.failed) from None
+        self._ack(2, u)
+        self._commit(2, u)
+
+    def _ack(self, phase: int, u: Update) -> None:
+        """Send `Ack(phase)`, unless the sender already sent something of this update."""
+        early = self.inbox.pending(u, f"nothing before Ack({phase})")
+        if early is not None:
+            raise self.inbox.violation(
+                u, f"the sender sent {clip(repr(early), 200)} before this receiver's "
+                   f"Ack({phase}) of update {u.version} (the commit round goes Seal, Ack, Commit)")
+        self.inbox.send(Ack(PROTOCOL_VERSION, self.rank, u.version, u.seq + 1, u.nbytes,
+                            u.ntensors, time.perf_counter() - u.t0, phase))
+
+    def _commit(self, phase: int, u: Update) -> None:
+        """Wait for `Commit(phase)` of this update (an `Abort` or a timeout fails it)."""
+        try:
+            msg = self.inbox.next(u, Wait(f"Commit({phase}) of update {u.version}",
+                                          self.verdict_s))
+        except UpdateFailed:
+            if u.staged and phase == 1:
+                u.exposed = False  # aborted before any Commit: no worker was told to load
+            raise
+        if not (isinstance(msg, Commit) and msg.phase == phase):
+            raise self.inbox.violation(u, f"expected Commit({phase}) of update {u.version}, "
+                                          f"got {clip(repr(msg), 200)}")

@@ -1,0 +1,194 @@
+"""A receiver's data plane: two bucket buffers, one collective per bucket, what arrived checked.
+
+Bucket k's collective fills buffer k % 2 with its header's `length` bytes, from the group of the
+sender its header names. The transport's policy decides how a bucket is checked: where it checks
+each bucket on its own (`digest_per_bucket`), the bucket's checksum is computed on the host as
+soon as it arrived and compared with the sender's `Digest` before anything of it is loaded;
+otherwise it is computed on the device beside the collective and every one is read back once, at
+the `Seal`. Where the transport asks for `canary_bytes`, the whole buffer is posted with that many
+random bytes past `length`: a sender that broadcasts more than it announced is caught instead of
+ending the process, and one that broadcasts fewer leaves stale bytes the checksum rejects.
+
+CUDA ordering: the host only queues work. Collectives are issued from a side stream that waits
+only for the loads that last read the buffer; loads run on a second side stream that waits for
+the collective; checksums on a third. vLLM's own stream never waits on a collective: `settle`
+polls the load stream to completion within the deadline, and a collective that will not finish
+gets its communicator aborted (`Transport.armed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vllm_nccl_sync.outcomes import clip
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.protocol import BucketHeader, Seal
+
+_MASK = (1 << 64) - 1
+
+
+class ReceivePlane:
+    """The buffers, streams and collectives of one receiver over `transports` (one per sender)."""
+
+    def __init__(self, transports: list[Transport], bucket_bytes: int) -> None:
+        self.transports = transports
+        first = transports[0]
+        self.device = first.device
+        self.digest_per_bucket = first.digest_per_bucket
+        self.canary_bytes = first.canary_bytes
+        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
+                        for _ in range(2)]
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self._issue = torch.cuda.Stream(self.device)
+            self._load = torch.cuda.Stream(self.device)
+            self._cksum = torch.cuda.Stream(self.device)
+            self._free = [torch.cuda.Event(), torch.cuda.Event()]
+            self._cksum_done = [torch.cuda.Event(), torch.cuda.Event()]
+
+    @property
+    def broken(self) -> str:
+        """Why one of the groups can no longer be trusted ("" while all are healthy)."""
+        return next((t.broken for t in self.transports if t.broken), "")
+
+    @contextlib.contextmanager
+    def armed(self, seconds: float, what: str) -> Iterator[None]:
+        """Every group's deadman armed for `seconds` (see `Transport.armed`)."""
+        with contextlib.ExitStack() as stack:
+            for t in self.transports:
+                stack.enter_context(t.armed(seconds, what))
+            yield
+
+    def extend(self, seconds: float) -> None:
+        for t in self.transports:
+            t.extend(seconds)
+
+    def abort(self, reason: str) -> None:
+        for t in self.transports:
+            t.abort(reason)
+
+    def begin(self) -> None:
+        """A new update: CUDA loads queue after whatever the engine queued before."""
+        if self.cuda:
+            self._load.wait_stream(torch.cuda.current_stream(self.device))
+            for ev in self._free:
+                ev.record(self._load)
+
+    def loading(self) -> contextlib.AbstractContextManager:
+        """Where loads run: the load stream on CUDA, the current thread elsewhere."""
+        return torch.cuda.stream(self._load) if self.cuda else contextlib.nullcontext()
+
+    def post(self, header: BucketHeader, seq: int) -> tuple[Any, torch.Tensor | None]:
+        """Post the collective filling buffer seq % 2; returns its handle and canary (if any)."""
+        i, length = seq % 2, header.length
+        buf, t = self.buffers[i], self.transports[header.src]
+        if self.canary_bytes:
+            room = min(self.canary_bytes, buf.numel() - length)
+            canary = None
+            if room:
+                canary = torch.frombuffer(bytearray(os.urandom(room)), dtype=torch.uint8)
+                buf[length : length + room].copy_(canary)
+            return t.broadcast(buf, length=length), canary
+        if not self.cuda:
+            return t.broadcast(buf[:length]), None
+        with torch.cuda.stream(self._issue):  # after the loads that last read this buffer
+            self._issue.wait_event(self._free[i])
+            return t.broadcast(buf[:length]), None
+
+    def arrived(self, seq: int, length: int, work: Any) -> Any:
+        """Wait for bucket `seq`'s bytes (CUDA: the current stream waits) and return their
+        checksum: an int now (`digest_per_bucket`), else a 0-d device tensor queued beside."""
+        work.wait()
+        data = self.buffers[seq % 2][:length]
+        if self.digest_per_bucket:
+            return checksum(data)  # while the sender's Digest (and bucket k+1) fly
+        with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both
+            work.wait()
+            got = checksum_gpu(data)
+            self._cksum_done[seq % 2].record(self._cksum)
+        return got
+
+    def overran(self, seq: int, length: int, canary: torch.Tensor | None) -> bool:
+        """The bytes past `length` changed: the sender broadcast more than it announced."""
+        buf = self.buffers[seq % 2]
+        return canary is not None and not torch.equal(buf[length : length + canary.numel()], canary)
+
+    def loaded(self, seq: int) -> None:
+        """Bucket `seq`'s loads are queued: CUDA frees its buffer once they and its checksum ran."""
+        if self.cuda:
+            self._load.wait_event(self._cksum_done[seq % 2])
+            self._free[seq % 2].record(self._load)
+
+    def settle(self, timeout_s: float) -> None:
+        """CUDA: wait (bounded, polling) until every load and collective queued so far ran."""
+        if self.cuda:
+            self.transports[0].wait_stream(self._load, timeout_s)
+
+    def values(self, sums: list[Any]) -> list[int | None]:
+        """The checksums of `arrived` as ints (device ones read back in one go)."""
+        dev = [s for s in sums if isinstance(s, torch.Tensor)]
+        if not dev:
+            return list(sums)
+        it = iter(torch.stack(dev).tolist())
+        return [next(it) if isinstance(s, torch.Tensor) else s for s in sums]
+
+    def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:
+        """Wait for every collective still posted (after a clean abort each completes; else
+        barely wait); returns why the group can no longer be trusted ("" if it still can)."""
+        if self.cuda:
+            with torch.cuda.stream(self._load):
+                for w, _ in posted.values():
+                    w.wait()
+            try:
+                self.transports[0].wait_stream(self._load, timeout_s if clean else 1.0)
+            except (TimeoutError, RuntimeError) as err:
+                return clip(str(err))
+            return ""
+        why = ""
+        for w, _ in posted.values():  # bounded by the group's own timeout
+            try:
+                w.wait()
+            except RuntimeError as err:
+                why = why or clip(str(err))
+        return why
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+
+
+def digest_problem(rank: int, seq: int, got: int, theirs: int, require: bool) -> str:
+    """Why bucket `seq` (checksum `got`) must not be loaded given the sender's `Digest`."""
+    if not theirs and require:
+        return (f"rank {rank}: Digest for bucket {seq} carries no checksum, and this receiver "
+                "requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not loaded")
+    if theirs and got != theirs:
+        return (f"rank {rank}: bucket {seq} arrived corrupted or short (checksum {got:#x} != "
+                f"sender's {theirs:#x}); not loaded")
+    return ""
+
+
+def seal_problem(rank: int, version: int, seal: Seal, got: list[int | None],
+                 require: bool) -> str:
+    """Why the sender's `Seal` disagrees with what arrived (`got`: one checksum per bucket, None
+    for an empty one): the bucket count or a checksum ("" if it agrees)."""
+    n = len(got)
+    if seal.buckets != n or len(seal.checksums) != n:
+        return (f"rank {rank}: sender sealed update {version} with {seal.buckets} buckets / "
+                f"{len(seal.checksums)} checksums, {n} arrived")
+    for k, (mine, theirs) in enumerate(zip(got, seal.checksums, strict=True)):
+        if mine is None or (not theirs and not require):
+            continue
+        if not theirs:
+            return (f"rank {rank}: no checksum for bucket {k} in the seal, and this receiver "
+                    "requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS)")
+        if mine & _MASK != theirs:
+            return (f"rank {rank}: bucket {k} arrived corrupted (checksum {mine & _MASK:#x} != "
+                    f"sender's {theirs:#x})")
+    return ""

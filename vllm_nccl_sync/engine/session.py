@@ -1,0 +1,148 @@
+"""One engine worker's side of the transfer group, behind every front door.
+
+The vLLM worker extension (`glue.ext.Ext`), vLLM's weight-transfer engine `nccl_sync`
+(`glue.transfer_engine`) and SGLang's custom loader (`glue.sglang`) are thin adapters over one
+`EngineSession`: it joins (and re-joins) the trainer's group, keeps what outlives a re-join (the
+versions held, consistency, counters, the LoRA adapters pushed), receives updates into the
+engine's loader, and reports state, adapters, checksums, parameter pointers and metrics. What is
+engine-specific comes from the front door: the live model, its tensor-parallel position, the
+adapter store, and at each join where the worker sits, its loader, reference and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from vllm_nccl_sync.engine.checksums import module_checksums, param_pointers
+from vllm_nccl_sync.engine.handshake import Reference
+from vllm_nccl_sync.engine.metrics import export_state, prometheus_text
+from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader
+from vllm_nccl_sync.outcomes import WorkerSummary
+from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.protocol import AdapterSpec
+
+
+class Adapters(Protocol):
+    """The LoRA adapters one worker holds (e.g. `glue.lora.AdapterStore`)."""
+
+    def loader(self, spec: AdapterSpec) -> WeightLoader: ...
+
+    def listing(self) -> dict[str, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one worker sits in the transfer group and in its engine."""
+
+    rank: int
+    """Rank in the transfer group (0 is the trainer)."""
+    replica: int = 0
+    """Data-parallel index of this worker's engine."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    details: dict[str, Any] = field(default_factory=dict)
+    """What the front door reports with it (e.g. `host`, `pp_rank`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "replica": self.replica, "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, **self.details}
+
+
+class EngineSession:
+    """One worker's session: `join`, `receive`, `report`, `adapters`, `checksums`,
+    `param_ptrs`, `metrics`, `close`. Failures of an update are reported, never raised.
+
+    `model` returns the live model; `parallel` its `(tp_rank, tp_size)`; `adapters` makes the
+    worker's adapter store (at the first join, kept across re-joins; None: the engine takes no
+    LoRA adapters).
+    """
+
+    def __init__(self, model: Callable[[], torch.nn.Module],
+                 parallel: Callable[[], tuple[int, int]],
+                 adapters: Callable[[], Adapters] | None = None) -> None:
+        self.state = ReceiverState()
+        """What the worker holds: outlives re-joins."""
+        self.receiver: Receiver | None = None
+        self.placement: Placement | None = None
+        self.loaders: Callable[[], WeightLoader] | None = None
+        """The loader of the next update (asked at each update: the model may change)."""
+        self._model = model
+        self._parallel = parallel
+        self._make_adapters = adapters
+        self._adapters: Adapters | None = None
+
+    def join(self, cfg: SyncConfig, where: Placement, loaders: Callable[[], WeightLoader], *,
+             reference: Reference | None = None, dtype: str = "",
+             device: torch.device | None = None) -> Placement:
+        """Join the trainer's group as `where.rank`, leaving the group held before; blocks until
+        the trainer's `PushClient.connect()` meets it (at most `cfg.timeout_s`).
+
+        `loaders` gives the loader of each update (asked once here, so that a model it cannot
+        update is refused now, saying why); `reference` is the engine's tensors that plans are
+        checked against; `dtype` its floating-point weight dtype (a wire dtype name, "" if not
+        known); `device` the worker's device (the NCCL data plane uses it). Raises what joining
+        raises (`TimeoutError` naming the trainer's address, ...).
+        """
+        self.close()
+        loaders()
+        if self._make_adapters is not None and self._adapters is None:
+            self._adapters = self._make_adapters()
+        self.receiver = Receiver(
+            cfg, where.rank, replica=where.replica, tp_rank=where.tp_rank, tp_size=where.tp_size,
+            device=device, reference=reference, state=self.state, dtype=dtype,
+            adapters=self._adapters.loader if self._adapters is not None else None)
+        self.placement, self.loaders = where, loaders
+        return where
+
+    @property
+    def joined(self) -> bool:
+        return self.receiver is not None
+
+    def receive(self, timeout_s: float | None = None) -> WorkerSummary:
+        """Receive one update (call while the trainer pushes); `timeout_s` bounds the wait for
+        it to start. Returns this worker's summary, ok or not."""
+        if self.receiver is None or self.loaders is None:
+            return WorkerSummary(ok=False, rank=-1, version=self.state.version,
+                                 consistent=self.state.consistent,
+                                 error="this worker has not joined a trainer (join first)")
+        return self.receiver.run(self.loaders(), timeout_s)
+
+    def report(self) -> dict[str, Any]:
+        """Weight version held, consistency, counters and adapter versions of this worker."""
+        st = self.state
+        return {"joined": self.joined, "rank": self.receiver.rank if self.receiver else -1,
+                "version": st.version, "consistent": st.consistent, "updates": st.updates,
+                "failures": st.failures, "bytes": st.bytes, "last_seconds": st.last_seconds,
+                "last_error": st.last_error, "adapters": dict(st.adapters)}
+
+    def adapters(self) -> dict[str, Any]:
+        """Every LoRA adapter pushed into this worker: committed version, id, rank, targets."""
+        held = self._adapters.listing() if self._adapters is not None else {}
+        return {n: {"version": self.state.adapters.get(n, -1), **h} for n, h in held.items()}
+
+    def checksums(self, names: list[str] | None = None) -> dict[str, Any]:
+        """sha256 of the parameters as this worker holds them (`verify` compares them)."""
+        tp_rank, tp_size = self._parallel()
+        return {"tp_rank": tp_rank, "tp_size": tp_size,
+                "params": module_checksums(self._model(), names)}
+
+    def param_ptrs(self) -> dict[str, int]:
+        """Data pointer of every non-empty parameter and buffer (to prove updates in place)."""
+        return param_pointers(self._model())
+
+    def metrics(self) -> dict[str, Any]:
+        """This worker's counters, and its `vllm_nccl_sync_*` series as Prometheus text."""
+        if self.receiver is not None:
+            export_state(self.receiver.rank, self.state)
+        return {"state": self.report(), "prometheus": prometheus_text()}
+
+    def close(self) -> None:
+        """Leave the transfer group (what the worker holds stays)."""
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()

@@ -1,0 +1,165 @@
+"""The book-keeping of one update on one receiver, and the checks of its plan and headers.
+
+A plan is accepted or refused as a whole: every header it carries is checked before the one
+`Ready` (or `Error`) that answers it. A stream's later headers are checked one by one. Across the
+plan's tensor list and every header of the update, stream headers included, each tensor (or each
+byte range of a tensor cut over several buckets) is named once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_nccl_sync.engine.handshake import Reference
+from vllm_nccl_sync.engine.state import held_weights
+from vllm_nccl_sync.outcomes import clip
+from vllm_nccl_sync.wire.packing import validate_header
+from vllm_nccl_sync.wire.protocol import AdapterSpec, BucketHeader, Plan, TensorSpec, belongs
+
+
+@dataclass(slots=True)
+class Update:
+    """The update in progress on receiver `rank` (buckets of at most `capacity` bytes, from
+    `senders` senders)."""
+
+    rank: int
+    capacity: int
+    senders: int = 1
+    version: int = -1
+    staged: bool = False
+    seq: int = 0
+    """The bucket being received."""
+    headers: dict[int, BucketHeader] = field(default_factory=dict)
+    """Accepted headers of buckets not yet received."""
+    accepted: int = -1
+    """The highest header accepted (answered `Ready`)."""
+    refused: int = -1
+    """The first bucket this receiver will not join (its header refused or left unanswered);
+    -1: none. A `Go` covering it means the sender posts a collective nobody here joins."""
+    agreed: int = -1
+    """The highest bucket a `Go` covers."""
+    last: int = -1
+    """Seq of the header marked `is_last` once accepted (-1: not yet)."""
+    covered: dict[str, int] = field(default_factory=dict)
+    """Per tensor named so far: where the bytes named for it end."""
+    posted: dict[int, Any] = field(default_factory=dict)
+    """Per posted bucket: (handle, canary); removed once arrived."""
+    digests: dict[int, int] = field(default_factory=dict)
+    """The sender's `Digest` of each bucket (planes that check each bucket on its own)."""
+    sealed: bool = False
+    """The sender's `Seal` was taken: the commit round is open."""
+    told: bool = False
+    """The sender was sent an `Error` for this update."""
+    reference: Reference | None = None
+    plan_tensors: dict[str, TensorSpec] = field(default_factory=dict)
+    nbytes: int = 0
+    ntensors: int = 0
+    failed: str | None = None
+    began: bool = False
+    exposed: bool = False
+    """Data of this update may have been loaded by some worker: a failure now leaves it mixed."""
+    in_step: bool = True
+    """Every collective this receiver agreed to was joined (the group stays usable)."""
+    sums: list[Any] = field(default_factory=list)
+    """Per bucket: the checksum of what arrived (int on the host, a 0-d tensor on a device)."""
+    staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    adapter: AdapterSpec | None = None
+    """The LoRA adapter this update targets (None: base weights)."""
+    t0: float = 0.0
+
+    def open(self, plan: Plan, reference: Reference | None) -> str:
+        """Check every header `plan` carries (the update's version and staged flag already
+        taken from it): all of them are accepted, or none (the refusal: the first problem)."""
+        if plan.adapter is None:
+            self.reference = reference
+            self.plan_tensors = {t.name: t for t in plan.tensors}
+        if not plan.buckets:
+            return f"rank {self.rank} refused update {plan.version}: a plan without buckets"
+        for h in plan.buckets:
+            problem = (f"rank {self.rank} rejected bucket {h.seq}: force flag differs from the "
+                       "plan's") if h.force != plan.force else self.accept(h)
+            if problem:
+                self.headers, self.accepted, self.last, self.refused = {}, -1, -1, 0
+                return problem
+        return ""
+
+    def accept(self, header: BucketHeader) -> str:
+        """Check the next header; on success remember it, else record the refusal."""
+        seq = self.accepted + 1
+        problem = self.failed or self._problem(header, seq)
+        if problem:
+            if self.refused < 0:
+                self.refused = seq
+            if self.failed is None:
+                self.failed = problem
+            return problem
+        for s in header.slots:
+            self.covered[s.name] = max(self.covered.get(s.name, 0), s.start + s.nbytes)
+        self.headers[seq] = header
+        self.accepted = seq
+        if header.is_last:
+            self.last = seq
+        return ""
+
+    def _problem(self, header: BucketHeader, seq: int) -> str:
+        """Why this receiver refuses header `seq` ("" if it accepts it)."""
+        where = f"rank {self.rank} rejected bucket {seq}"
+        if not belongs(header, self.version):  # a header nested in the plan
+            return f"header of update {header.version} in update {self.version}"
+        if header.staged != self.staged:
+            return f"{where}: staged flag differs from the plan's"
+        if self.last >= 0:
+            return f"{where}: it follows the last bucket {self.last}"
+        if not 0 <= header.src < self.senders:
+            return f"{where}: sender {header.src} is not one of the {self.senders} sender(s)"
+        try:
+            validate_header(header, seq, self.capacity)
+        except ValueError as e:
+            return f"{where}: {clip(str(e))}"
+        for s in header.slots:
+            end = self.covered.get(s.name)
+            if end is not None and (s.start < end or not s.nbytes):
+                return (f"{where}: tensor {s.name!r} is named twice in update {self.version} "
+                        f"(bytes [{s.start}, {s.start + s.nbytes}) of it came in an earlier "
+                        "bucket)")
+        specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
+        problems = []
+        if self.plan_tensors:
+            problems = [f"tensor {x.name!r} ({x.dtype} {x.shape}) is not the plan's"
+                        for x in specs if self.plan_tensors.get(x.name) != x]
+        if not problems and self.reference is not None:
+            problems = self.reference.problems(specs)
+        if problems:
+            return f"{where}: " + clip("; ".join(problems[:5]))
+        return ""
+
+
+def plan_problem(plan: Plan, rank: int, held: int, reference: Reference | None,
+                 takes_adapters: bool) -> str:
+    """Why receiver `rank`, holding version `held` of the plan's target, refuses `plan` before
+    looking at its headers ("" if it takes it)."""
+    seen: set[str] = set()
+    for t in plan.tensors:
+        if t.name in seen:
+            return (f"rank {rank} refused update {plan.version}: tensor {t.name!r} is named "
+                    "twice in the plan")
+        seen.add(t.name)
+    what = "" if plan.adapter is None else f" of adapter {plan.adapter.name!r}"
+    if plan.version <= held and not plan.force:
+        return (f"rank {rank} refused update {plan.version}{what}: it holds {held_weights(held)} "
+                "(push with force=True to go back)")
+    if plan.adapter is not None:
+        if not takes_adapters:
+            return (f"rank {rank} refused adapter {plan.adapter.name!r}: this engine takes no "
+                    "LoRA adapters (start it with enable_lora=True)")
+        return ""  # the adapter loader checks names and shapes in `begin`
+    if reference is None:
+        return ""
+    problems = reference.problems(plan.tensors, plan.full)
+    if not problems:
+        return ""
+    more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+    return clip(f"rank {rank} refused update {plan.version}: " + "; ".join(problems[:5]) + more)

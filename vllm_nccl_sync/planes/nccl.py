@@ -1,0 +1,126 @@
+"""The NCCL data plane: CUDA tensors, one broadcast collective per bucket, with a deadman.
+
+A collective whose peer died never completes. It must not be left to torch's watchdog, whose
+default error handling ends the whole process a minute after the group's timeout. So the group
+is built with the watchdog's error handling off and a group timeout far past this package's own,
+and the transport carries a deadman: while an update is `armed`, a thread aborts the
+communicator (`ncclCommAbort`, which makes the stuck kernels exit) the moment the deadline
+passes, whatever the caller's thread is blocked in. The collectives run on a high-priority
+stream, so they start the moment the previous bucket's pack/load copies allow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_nccl_sync.planes.base import Handle, Transport, register
+from vllm_nccl_sync.wire.config import SyncConfig
+
+log = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_FACTOR = 4
+"""The NCCL group's own timeout is this many times `timeout_s` (+60 s): the deadman always acts
+first, and torch's watchdog never judges one of our collectives."""
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration (read by ProcessGroupNCCL's constructor)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@register("nccl")
+class NcclTransport(Transport):
+    """CUDA buckets over one NCCL broadcast each, guarded by a deadman (see the module)."""
+
+    digest_per_bucket = False
+    canary_bytes = 0
+    peer_harm = (
+        "a peer cannot crash this process; a dead peer leaves a collective pending until the "
+        "deadman aborts the communicator (armed), after which the transport is broken")
+
+    def __init__(self, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> None:
+        super().__init__(cfg, rank, device)
+        self._deadman = threading.Thread(target=self._watch, name="nccl-sync-deadman",
+                                         daemon=True)
+        self._deadman.start()
+        # Build the communicator now, inside the rendezvous timeout, not in the first bucket.
+        with self.armed(cfg.timeout_s, "building the NCCL communicator"), \
+                torch.cuda.device(self.device):
+            self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+            self.wait_stream(torch.cuda.current_stream(), cfg.timeout_s)
+        self.bytes_moved = 0  # the warm-up above is not part of any update
+        self.collectives = 0
+
+    def _device(self, device: torch.device | None) -> torch.device:
+        return device or torch.device("cuda", torch.cuda.current_device())
+
+    def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
+        self._timeout = timedelta(seconds=cfg.timeout_s * GROUP_TIMEOUT_FACTOR + 60)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = self._timeout
+        # The collectives become runnable exactly when the previous bucket's pack/load copies
+        # do; at equal priority those copies' blocks fill the GPU first and the link idles.
+        opts.is_high_priority_stream = True
+        # 0 = no async error handling: a failed collective never tears the process down; the
+        # deadman aborts the communicator instead. No heartbeat monitor for this group.
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
+                  TORCH_NCCL_PROPAGATE_ERROR="0"):
+            return dist.ProcessGroupNCCL(store, self.rank, cfg.world_size, opts)
+
+    def _watch(self) -> None:
+        """Deadman thread: abort the communicator once an armed deadline has passed."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                what, self._deadline = self._what, None
+            self.abort(f"{what} did not finish within the deadline")
+
+    def _post(self, tensor: torch.Tensor, src: int) -> Handle:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self._timeout
+        return self.pg.broadcast([tensor], opts)
+
+    def _abort_group(self, pg: Any) -> None:
+        try:
+            pg.abort()  # pending collectives end at once
+        except Exception:  # the group is given up either way
+            log.exception("aborting the NCCL communicator failed")
+
+    def _release(self) -> None:
+        if self.broken:
+            return
+        self.broken = "closed"
+        try:
+            self.pg.abort()  # no collective is pending on a healthy group: just frees it
+        except Exception:  # freed or not, it is dropped
+            log.exception("freeing the NCCL communicator failed")

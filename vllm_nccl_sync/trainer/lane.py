@@ -1,0 +1,166 @@
+"""The bucket lane: how one sender puts its buckets on its data-plane group.
+
+Two buffers, at most two collectives in flight: a buffer is refilled only after the collective
+that last read it (and its checksum) is done; on CUDA that orders the current stream after them,
+the host does not wait. A bucket whose only moving slot is one tensor's bytes on the lane's device
+is broadcast straight from the tensor's memory (zero-byte slots beside it move nothing); any
+other bucket is packed into the next buffer (a stream's `StreamPacker` packs into it directly).
+
+Every bucket a `Go` covers is posted, whatever fails: a tensor source that fails leaves the
+buffer's bytes on the wire (the failure is recorded, the update is aborted afterwards), and a
+broadcast that raises (gloo: a receiver's connection is already gone) is recorded as a lost peer
+while the loop goes on, so the live receivers get every collective they agreed to.
+
+The checksum of each bucket runs beside its collective (both only read the bytes): on CUDA on a
+side stream, read back once for the `Seal`; on the CPU inline, while gloo's sends fly. Whether each
+bucket's checksum is also sent right away as a `Digest` is the data plane's policy
+(`Transport.digest_per_bucket`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vllm_nccl_sync.outcomes import PeerFailed, clip
+from vllm_nccl_sync.planes.base import Handle, Transport
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.packing import Bucket, StreamPacker, as_bytes, pack, tensor_nbytes
+from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Digest, Slot
+
+
+class BucketLane:
+    """One sender's buckets on `transport`: double-buffered, checksummed per bucket (`check`).
+
+    `digest(msg)` sends a bucket's `Digest` where the data plane wants one per bucket; each post
+    restarts the transport's deadman for `timeout_s`.
+    """
+
+    def __init__(self, transport: Transport, bucket_bytes: int, *, check: bool,
+                 timeout_s: float, digest: Callable[[Digest], None]) -> None:
+        self.transport = transport
+        self.device = transport.device
+        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
+                        for _ in range(2)]
+        self.check = check
+        self.timeout_s = timeout_s
+        self._digest = digest
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._summed = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a new update: counters, checksums and failures from zero."""
+        self.works: list[Handle | None] = [None, None]
+        self.lost: list[PeerFailed] = []
+        """Receivers whose data-plane transfer failed (rank -1: not known which)."""
+        self.failure: BaseException | None = None
+        """The tensor source's failure while a bucket was made (the bucket was still posted)."""
+        self.sums: dict[int, Any] = {}
+        self.posted = self.bytes = self.tensors = 0
+
+    # ------------------------------------------------------------------ buffers
+
+    def _free(self, i: int) -> torch.Tensor:
+        work, self.works[i] = self.works[i], None
+        if work is not None:
+            try:
+                work.wait()  # gloo: bounded by the group's timeout
+            except PeerFailed as e:  # the others got their bytes; go on without that receiver
+                self.lost.append(e)
+        if self._stream is not None:  # and the checksum that read it
+            torch.cuda.current_stream(self.device).wait_event(self._summed[i])
+        return self.buffers[i]
+
+    def next_buffer(self) -> torch.Tensor:
+        """The buffer the next bucket posted goes out of, once nothing reads it any more."""
+        return self._free(self.posted % 2)
+
+    def wire(self, slots: Sequence[Slot], sources: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The next bucket's wire bytes: the tensor's own memory when its only moving slot is one
+        tensor's bytes on this device, else packed into the next buffer."""
+        buf = self.next_buffer()
+        moving = [(s, t) for s, t in zip(slots, sources, strict=True) if s.nbytes]
+        if len(moving) == 1 and moving[0][0].offset == 0 and moving[0][1].device == self.device:
+            slot, src = moving[0]  # zero copy: the collective reads the tensor's own memory
+            return as_bytes(src)[slot.start : slot.start + slot.nbytes]
+        return pack(Bucket(list(slots), list(sources)), buf)
+
+    def fill(self, packer: StreamPacker) -> tuple[list[Slot], bool, torch.Tensor]:
+        """Pack a stream's next bucket straight into the next buffer: its slots, whether it is
+        the last one, and its wire bytes."""
+        buf = self.next_buffer()
+        slots, is_last = packer.fill(buf)
+        length = slots[-1].offset + slots[-1].nbytes if slots else 0
+        return slots, is_last, buf[:length]
+
+    # ------------------------------------------------------------------ posting
+
+    def post(self, header: BucketHeader, make_wire: Callable[[], torch.Tensor]) -> None:
+        """Post bucket `header` (always: a `Go` covers it) from `make_wire()`'s bytes, with its
+        checksum beside it (and its `Digest` where the plane wants one). A failing `make_wire`
+        or broadcast is recorded (`failure`, `lost`), never raised."""
+        try:
+            wire = make_wire()
+        except Exception as e:  # noqa: BLE001 - agreed: the collective still runs
+            self.failure = self.failure or e
+            wire = self.next_buffer()[: header.length]
+        i = self.posted % 2
+        self.posted += 1
+        if header.length:
+            try:
+                self.works[i] = self.transport.broadcast(wire)
+            except RuntimeError as e:  # gloo: a receiver's connection is gone already
+                self.lost.append(PeerFailed(f"broadcast of bucket {header.seq} failed: "
+                                            f"{clip(str(e), 300)}", -1))
+        digest: Any = 0
+        if self.check and header.length:
+            digest = checksum(wire) if self._stream is None else self._beside(wire, i)
+        self.sums[header.seq] = digest
+        if self.transport.digest_per_bucket and header.length:
+            try:
+                self._digest(Digest(PROTOCOL_VERSION, header.version, header.seq, digest))
+            except Exception as e:  # noqa: BLE001 - the next collectives are still owed
+                self.failure = self.failure or e
+        self.transport.extend(self.timeout_s)  # progress: restart the deadman
+        self.bytes += header.length
+        self.tensors += sum(s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape)
+                            for s in header.slots)
+
+    def _beside(self, wire: torch.Tensor, i: int) -> torch.Tensor:
+        """CUDA: the checksum on the side stream, after the pack, beside the collective."""
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            digest = checksum_gpu(wire)
+            self._summed[i].record(self._stream)
+        wire.record_stream(self._stream)  # a tensor's own memory outlives its use here
+        return digest
+
+    def drain(self) -> dict[int, int]:
+        """Wait (bounded) for the last collectives and checksums; every checksum by seq."""
+        for i in range(2):
+            self._free(i)
+        if self._stream is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self._stream)
+            self.transport.wait_stream(cur, self.timeout_s)
+            on_gpu = [k for k, v in self.sums.items() if isinstance(v, torch.Tensor)]
+            if on_gpu:  # one read back per update
+                values = torch.stack([self.sums[k] for k in on_gpu]).tolist()
+                self.sums.update(zip(on_gpu, values, strict=True))
+        return {k: int(v) for k, v in self.sums.items()}
+
+    def lost_problem(self, offset: int) -> tuple[str, list[int]]:
+        """What the lost peers say ("" if none), and the receivers (group rank + `offset`) that
+        left the data plane."""
+        named = [e for e in self.lost if e.rank >= 0]
+        left = sorted({e.rank + offset for e in named})
+        parts = []
+        if left:
+            who = f"rank {left[0]}" if len(left) == 1 else f"ranks {left}"
+            parts.append(f"{who} left the data plane: {clip(str(named[0]), 300)}")
+        parts += [clip(str(e), 300) for e in self.lost if e.rank < 0][:1]
+        return "; ".join(parts), left
