@@ -89,7 +89,7 @@ class BenchExt(Ext):
         buf = getattr(self, "_bench_buf", None)
         if buf is None or buf.numel() != nbytes:
             buf = self._bench_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._nccl_sync[0].transport.broadcast(buf).wait()
+        self._nccl_sync.receiver.transport.broadcast(buf).wait()
         if buf.is_cuda:
             torch.cuda.current_stream().synchronize()
 

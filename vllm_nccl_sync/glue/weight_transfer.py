@@ -34,13 +34,13 @@ versions get what: `patches/vllm_weight_transfer.py`.
 
 from __future__ import annotations
 
+from vllm_nccl_sync.glue.transfer_clients import AsyncEngineClient, OfflineClient
 from vllm_nccl_sync.glue.transfer_engine import (
     SURFACE,
     NcclSyncInitInfo,
     NcclSyncUpdateInfo,
     NcclSyncWeightTransferEngine,
 )
-from vllm_nccl_sync.glue.transfer_clients import AsyncEngineClient, OfflineClient
 from vllm_nccl_sync.glue.transfer_trainer import (
     NcclSyncTrainerEngine,
     NcclSyncTrainerInitInfo,

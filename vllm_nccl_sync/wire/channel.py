@@ -75,7 +75,23 @@ class _Session:
     sent: int = 0  # counters sent so far
 
 
-class SenderChannel:
+class _Counting:
+    """What both ends report of the frames they dropped."""
+
+    _reject: Rejections
+
+    @property
+    def rejected(self) -> int:
+        """Frames dropped so far (failed a check, or undecodable)."""
+        return self._reject.total
+
+    @property
+    def rejections(self) -> Counter[str]:
+        """Frames dropped so far, by reason."""
+        return self._reject.by_reason
+
+
+class SenderChannel(_Counting):
     """The trainer's end: one ROUTER socket talking to every receiver by (authenticated) rank."""
 
     def __init__(
@@ -105,16 +121,6 @@ class SenderChannel:
         self._reject = Rejections()
         self.unreachable: dict[int, str] = {}
         """Ranks the last `send_all` could not reach, and why."""
-
-    @property
-    def rejected(self) -> int:
-        """Frames dropped so far (failed a check or undecodable)."""
-        return self._reject.total
-
-    @property
-    def rejections(self) -> Counter[str]:
-        """Frames dropped so far, by reason."""
-        return self._reject.by_reason
 
     def _send_payload(self, rank: int, payload: bytes, timeout_ms: int = 5000) -> None:
         """Queue one frame for `rank`, waiting at most `timeout_ms` (0: not at all) for room.
@@ -258,7 +264,7 @@ class SenderChannel:
         self._sock.close()
 
 
-class ReceiverChannel:
+class ReceiverChannel(_Counting):
     """A receiver's end: one DEALER socket whose routing id is a fresh random session id."""
 
     def __init__(
@@ -301,16 +307,6 @@ class ReceiverChannel:
         except BaseException:
             self.close()
             raise
-
-    @property
-    def rejected(self) -> int:
-        """Frames dropped so far (failed a check)."""
-        return self._reject.total
-
-    @property
-    def rejections(self) -> Counter[str]:
-        """Frames dropped so far, by reason."""
-        return self._reject.by_reason
 
     @property
     def dropped(self) -> str:
