@@ -33,6 +33,15 @@ engine's pause, reset, resume and first step) is the GPU engine's own. Per updat
                step: with `keep`, the reset preempts the running requests, which recompute)
   per client   each client's own gap around the push (median, max)
 
+`--pause-modes beside:keep,beside:wait,...` receives beside serving
+(`WeightSync.update(beside=True)`): the engine keeps generating during the push and is paused per
+the mode only for the swap. Then also reported: the longest token gap anywhere around the update
+(`max_gap_s`, and where it fell against the worker's own steps and garbage collections), the gap
+the swap made, the decode rate during the receive against `--baseline-s` of undisturbed decoding
+just before the update, and the requests that spanned the swap (`wait` promises none).
+`--trainer-process` pushes from a process of its own (`trainer_proc.py`), as an RL trainer does,
+instead of from this one, which is also the engine's front end.
+
 The step interval (median gap between a client's consecutive tokens outside updates) is
 reported for scale. The target is paused <= push + 20 ms. After the timed updates the engine's
 weights are zeroed, one more update runs, and every engine parameter is compared bit for bit
@@ -45,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -93,7 +103,8 @@ def instrument(engine: Any, handle: Any, client: Any, tl: Timeline) -> None:
             t0 = time.perf_counter()
             out = await fn(*args, **kwargs)
             label = f"rpc:{args[0] if args else kwargs.get('method')}" if name == "rpc" else name
-            extra = {"result": out} if label == "rpc:nccl_sync_receive" else {}
+            extra = {"result": out} if label in ("rpc:nccl_sync_receive",
+                                                 "rpc:nccl_sync_swap") else {}
             tl.add(label, t0, time.perf_counter(), **extra)
             return out
         return timed
@@ -128,6 +139,7 @@ class Stream:
     def __init__(self, engine: Any, loop: Any, args: Any, vocab: int) -> None:
         self.engine, self.loop, self.args, self.vocab = engine, loop, args, vocab
         self.tokens: list[tuple[float, int]] = []  # (arrival, client), every streamed token
+        self.requests: list[tuple[float, float, str]] = []  # (first, last token, finish reason)
         self.counts = [0] * args.clients
         self.finished: dict[str, int] = {}
         self.short: list[tuple[str, int]] = []  # requests that ended with fewer tokens
@@ -145,7 +157,7 @@ class Stream:
         n = 0
         while not self.stop.is_set():
             prompt = [rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]
-            got, reason = 0, None
+            got, reason, first, last = 0, None, None, None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt), sp,
                                                   request_id=f"c{cid}-{n}"):
                 k = len(out.outputs[0].token_ids)
@@ -153,9 +165,12 @@ class Stream:
                     t = time.perf_counter()
                     self.tokens.extend([(t, cid)] * (k - got))
                     self.counts[cid] += k - got
-                    got = k
+                    got, last = k, t
+                    first = first or t
                 reason = out.outputs[0].finish_reason
             self.finished[str(reason)] = self.finished.get(str(reason), 0) + 1
+            if first is not None:
+                self.requests.append((first, last, str(reason)))
             if got != self.args.max_tokens:
                 self.short.append((str(reason), got))
             n += 1
@@ -209,7 +224,8 @@ def run(args: Any) -> dict:
 
     import bench_vllm_gpu as bvg
     import torch
-    from pause_analysis import analyse, step_interval, summarise, table
+    from pause_analysis import analyse, spanned, step_interval, summarise, table
+    from trainer_proc import RemoteClient, host_tensors
 
     from vllm_nccl_sync.glue.engines import AsyncLLMHandle
     from vllm_nccl_sync.testing import stop_async_llm
@@ -229,15 +245,31 @@ def run(args: Any) -> dict:
         dev = None if host else torch.device("cuda", 1)  # see main(): the trainer's GPU
         if dev is not None:
             torch.cuda.set_device(dev)  # NCCL and every trainer tensor on it, never the engine's
-        g = torch.Generator(device=dev or "cpu").manual_seed(1234)
-        tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_(generator=g)
-                   for n, s in bvg.model_spec(args.layers)}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        expected = bvg.checksums(bvg.vllm_layout(tensors))
+        if args.trainer_threads:
+            torch.set_num_threads(args.trainer_threads)
         handle = AsyncLLMHandle(engine, loop, call_timeout_s=args.timeout_s)
         bucket = int(args.bucket_mib * (1 << 20)) if args.bucket_mib else None
         sync = WeightSync([handle], backend="gloo" if host else "nccl",
                           bucket_bytes=bucket, timeout_s=args.timeout_s, device=dev)
+        remote = host and args.trainer_process
+        if remote:  # the push from a process of its own (trainer_proc), tensors drawn there
+            sync.client.close()
+            sync.client = RemoteClient(sync.cfg, args.layers, dict(bvg.DIMS),
+                                       args.trainer_threads, args.timeout_s)
+            tensors: dict = {}
+            nbytes = sum(math.prod(s) * 2 for _, s in bvg.model_spec(args.layers))
+            ntensors = len(bvg.model_spec(args.layers))
+            expected = sync.client.expected()
+        else:
+            if host:
+                tensors = host_tensors(args.layers)
+            else:
+                g = torch.Generator(device=dev).manual_seed(1234)
+                tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_(generator=g)
+                           for n, s in bvg.model_spec(args.layers)}
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            ntensors = len(tensors)
+            expected = bvg.checksums(bvg.vllm_layout(tensors))
         sync.connect()
         tl = Timeline()
         instrument(engine, handle, sync.client, tl)
@@ -245,32 +277,51 @@ def run(args: Any) -> dict:
         stream.wait_tokens(2, args.timeout_s, "every client streaming")
         updates, version, windows = [], 0, []
         for mode in args.pause_modes:
+            pause_mode = mode.removeprefix("beside:")
             for _ in range(args.updates):
+                handle.call("bench_zero", timeout=args.timeout_s)  # each update rewrites all
                 stream.wait_tokens(args.settle_tokens, args.timeout_s, "generation before update")
+                b0 = time.perf_counter()  # undisturbed decoding just before, for the rate during
+                time.sleep(args.baseline_s)  # the receive (same clients, same request mix)
+                baseline = (b0, time.perf_counter())
                 version += 1
                 u0 = time.perf_counter()
-                sync.update(tensors, version, pause_mode=mode)
+                sync.update(tensors, version, pause_mode=pause_mode,
+                            beside=mode.startswith("beside:"), shadow=args.shadow)
                 u1 = time.perf_counter()
                 windows.append((u0, u1))
                 stream.wait_tokens(args.settle_tokens, args.timeout_s,
                                    f"generation after update {version}")
-                u = analyse({"mode": mode, "version": version, "update_s": u1 - u0},
-                            tl.between(u0, u1), stream.tokens, args.clients)
+                # after the first tokens past the update: this RPC holds the engine's loop
+                [got] = handle.call("bench_checksums", timeout=args.timeout_s)
+                u = analyse({"mode": mode, "version": version, "update_s": u1 - u0,
+                             "exact": got == expected},
+                            tl.between(u0, u1), stream.tokens, args.clients,
+                            stream.requests, baseline)
                 updates.append(u)
                 print(f"{mode} v{version}: stall {u.get('stall_s', float('nan')) * 1e3:.1f} ms, "
-                      f"push {u['push_s'] * 1e3:.1f} ms, update {u['update_s'] * 1e3:.1f} ms",
+                      f"longest gap {u.get('max_gap_s', float('nan')) * 1e3:.1f} ms, "
+                      f"push {u['push_s'] * 1e3:.1f} ms, update {u['update_s'] * 1e3:.1f} ms, "
+                      f"rate during receive {u.get('receive_rate_ratio')}, exact {u['exact']}",
                       flush=True)
         handle.call("bench_zero", timeout=args.timeout_s)  # then one more update must fill all
-        sync.update(tensors, version + 1, pause_mode=args.pause_modes[0])
+        last = args.pause_modes[0]
+        sync.update(tensors, version + 1, pause_mode=last.removeprefix("beside:"),
+                    beside=last.startswith("beside:"), shadow=args.shadow)
         [got] = handle.call("bench_checksums", timeout=args.timeout_s)
         bad = sorted(n for n in expected if got.get(n) != expected[n])
         stream.wait_tokens(1, args.timeout_s, "generation after the check")
         stream.check()
+        for u in updates:  # the requests in flight at a swap have ended by now
+            if "swap_window" in u:
+                spanned(u, stream.requests)
         rep = {
             "command": " ".join(["python3", "benchmarks/bench_pause.py"] + [  # no directories
                 os.path.basename(a) if os.path.isabs(a) else a for a in sys.argv[1:]]),
             "env": bvg.env_info(), "engine_startup_s": startup, "data_plane": sync.cfg.backend,
-            "model": {"bytes": nbytes, "tensors": len(tensors), "layers": args.layers},
+            "model": {"bytes": nbytes, "tensors": ntensors, "layers": args.layers},
+            "trainer": "own process" if remote else "this process (the engine's front end)",
+            "trainer_threads": args.trainer_threads or torch.get_num_threads(),
             "clients": args.clients, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "bucket_bytes": sync.cfg.bucket_bytes,
             "compiled": not (args.eager or args.cpu_smoke), "updates_per_mode": args.updates,
@@ -278,7 +329,8 @@ def run(args: Any) -> dict:
             "summary": summarise(updates),
             "requests": {"finished": dict(stream.finished), "short": stream.short[:20],
                          "tokens": len(stream.tokens)},
-            "exact": not bad and set(got) == set(expected), "mismatched": bad[:10],
+            "exact": not bad and set(got) == set(expected) and all(u["exact"] for u in updates),
+            "mismatched": bad[:10], "shadow": args.shadow,
         }
         rep["table"] = table(rep)
         return rep
@@ -296,7 +348,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, help="Qwen2-7B layers (default 14: 8.7 GB)")
     ap.add_argument("--updates", type=int, default=5, help="timed updates per pause mode")
-    ap.add_argument("--pause-modes", default="keep", help="comma list of keep, wait, abort")
+    ap.add_argument("--pause-modes", default="keep",
+                    help="comma list of keep, wait, abort; beside:<mode> receives beside serving "
+                         "and pauses per <mode> only for the swap")
+    ap.add_argument("--shadow", default="device", help="beside: the shadow's place (device, host)")
+    ap.add_argument("--trainer-process", action="store_true",
+                    help="host trainer: push from a process of its own (trainer_proc.py), not "
+                         "from this one, which is the engine's front end")
+    ap.add_argument("--baseline-s", type=float, default=0.0,
+                    help="undisturbed decoding measured this long before each update (beside: "
+                         "the decode rate during the receive is compared with it; default 4, "
+                         "smoke 0.5)")
+    ap.add_argument("--trainer-threads", type=int, default=0,
+                    help="torch threads of the trainer (0: torch's default)")
     ap.add_argument("--clients", type=int, help="streaming requests kept in flight (16)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (128)")
     ap.add_argument("--max-tokens", type=int, help="tokens per request (256)")
@@ -315,12 +379,15 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="script check on a CPU vLLM: tiny dims, gloo, few short requests")
     args = ap.parse_args()
+    if not args.baseline_s:
+        args.baseline_s = 0.5 if args.cpu_smoke else 4.0
     for k, v in (SMOKE_ARGS if args.cpu_smoke else GPU_ARGS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.pause_modes = [m for m in args.pause_modes.split(",") if m]
-    if not args.pause_modes or set(args.pause_modes) - {"keep", "wait", "abort"}:
-        ap.error("--pause-modes takes keep, wait, abort")
+    if not args.pause_modes or {m.removeprefix("beside:") for m in args.pause_modes} - {
+            "keep", "wait", "abort"}:
+        ap.error("--pause-modes takes keep, wait, abort, beside:keep, beside:wait, beside:abort")
     if args.cpu_smoke:
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                      "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
@@ -348,9 +415,11 @@ def main() -> None:
         if path:
             with open(path, "w") as f:
                 f.write(text)
+    aborting = any(m.endswith("abort") for m in args.pause_modes)
     lost = [s for s in rep["requests"]["short"]  # only `abort` may cut a request short
-            if s[0] != "abort" or "abort" not in args.pause_modes]
-    failed = [u for u in rep["updates"] if "error" in u]
+            if s[0] != "abort" or not aborting]
+
+    failed = [u for u in rep["updates"] if "error" in u or u.get("promise_broken")]
     if not rep["exact"]:
         print(f"not bit-exact: {rep['mismatched']}", flush=True)
     if lost or failed:

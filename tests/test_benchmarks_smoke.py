@@ -134,11 +134,14 @@ def test_robustness_cpu_smoke(tmp_path):
 @pytest.mark.vllm
 @needs_vllm
 def test_bench_pause_cpu_smoke(tmp_path):
-    """AsyncLLM serving two streaming clients, two updates paused with `keep`."""
+    """AsyncLLM serving two streaming clients: one update paused with `keep`, one received
+    beside serving and swapped with `wait`."""
     path = tmp_path / "pause.json"
-    out = run_script(["benchmarks/bench_pause.py", "--cpu-smoke", "--updates", "2",
-                      "--json", str(path)], deadline_s=420)
+    out = run_script(["benchmarks/bench_pause.py", "--cpu-smoke", "--updates", "1",
+                      "--pause-modes", "keep,beside:wait", "--trainer-process", "--json", str(path)],
+                     deadline_s=420)
     assert re.search(r"^\| keep \| [\d.]+ \(", out, re.M), out[-4000:]
+    assert re.search(r"^\| beside:wait \| [\d.]+ \(", out, re.M), out[-4000:]
     # its AsyncLLM is shut down output handler first (testing.stop_async_llm): nothing logged
     assert "Traceback" not in out and "EngineDeadError" not in out, out[-4000:]
     r = json.loads(path.read_text())
@@ -146,7 +149,13 @@ def test_bench_pause_cpu_smoke(tmp_path):
     assert r["requests"]["short"] == [] and set(r["requests"]["finished"]) <= {"length"}
     assert [u["version"] for u in r["updates"]] == [1, 2]
     for u in r["updates"]:
-        assert "error" not in u and u["buckets"] > 1, u
+        assert "error" not in u and u["buckets"] > 1 and u["exact"], u
+        assert len(u["rx_s"]) == 1 and u["rx_s"][0] > 0
+        if u["mode"] == "beside:wait":  # the stall is around the swap's pause, not the push
+            assert u["requests_spanning_swap"] == 0 and not u["promise_broken"], u
+            assert u["receive_rate_ratio"] >= 0 and 0 < u["stall_s"] <= u["max_gap_s"] + 1e-9
+            assert u["phases_s"]["pause"] >= 0 and u["phases_s"]["resume"] >= 0
+            continue
         ph = u["phases_s"]
         assert None not in ph.values(), ph  # every engine call of the update was seen
         for causal in ("pause", "to_push", "push", "reset_prefix_cache", "resume"):
@@ -154,8 +163,7 @@ def test_bench_pause_cpu_smoke(tmp_path):
         # each client's own gap around the push contains the engine-wide one
         assert 0 < u["stall_s"] <= u["client_stall_s"]["median"] + 1e-9, u
         assert abs(sum(ph.values()) - u["stall_s"]) < 1e-6
-        assert len(u["rx_s"]) == 1 and u["rx_s"][0] > 0
-    assert r["summary"]["keep"]["updates"] == 2
+    assert r["summary"]["keep"]["updates"] == 1 and r["summary"]["beside:wait"]["updates"] == 1
 
 
 @pytest.mark.vllm

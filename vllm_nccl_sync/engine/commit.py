@@ -48,6 +48,14 @@ class CommitRound:
         self._commit(1, u)
         if not u.staged:
             return
+        if u.beside is not None:  # no collective is pending: the deadman waits past the gate
+            self.plane.extend(2 * self.verdict_s)
+            u.beside.gate(u.version)  # the engine's owner pauses generation, then swaps
+            self.plane.extend(self.verdict_s)
+            early = self.inbox.pending(u, "nothing before the swap")  # an Abort raises
+            if early is not None:
+                raise self.inbox.violation(u, f"the sender sent {clip(repr(early), 200)} "
+                                              f"before the swap of update {u.version}")
         try:
             with self.plane.loading():
                 loader.begin()
@@ -56,6 +64,8 @@ class CommitRound:
                 u.staged_tensors = []
                 loader.finish()
             self.plane.settle(self.timeout_s)
+            if u.beside is not None:
+                u.beside.shadow.settle()
         except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
             u.failed = f"rank {self.rank} failed loading the staged update: {clip(repr(e))}"
             log.exception("loading the staged update failed")

@@ -36,14 +36,21 @@ _MASK = (1 << 64) - 1
 class ReceivePlane:
     """The buffers, streams and collectives of one receiver over `transports` (one per sender)."""
 
-    def __init__(self, transports: list[Transport], bucket_bytes: int) -> None:
+    def __init__(self, transports: list[Transport], bucket_bytes: int,
+                 engine: torch.device | None = None) -> None:
+        """`engine`: the worker's device; a host plane feeding a CUDA engine receives into
+        pinned buffers, so the loads (or a shadow's copies) are DMA transfers that hold no host
+        thread."""
         self.transports = transports
         first = transports[0]
         self.device = first.device
         self.digest_per_bucket = first.digest_per_bucket
         self.canary_bytes = first.canary_bytes
-        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(2)]
+        pin = (self.device.type == "cpu" and engine is not None and engine.type == "cuda"
+               and torch.cuda.is_available())
+        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
+                                    pin_memory=pin) for _ in range(2)]
+        self._pinned_for = engine if pin else None
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self._issue = torch.cuda.Stream(self.device)
@@ -120,7 +127,10 @@ class ReceivePlane:
         return canary is not None and not torch.equal(buf[length : length + canary.numel()], canary)
 
     def loaded(self, seq: int) -> None:
-        """Bucket `seq`'s loads are queued: CUDA frees its buffer once they and its checksum ran."""
+        """Bucket `seq`'s loads are queued: CUDA frees its buffer once they and its checksum ran;
+        a pinned host buffer, once the copies out of it ran (a load may copy asynchronously)."""
+        if self._pinned_for is not None:
+            torch.cuda.current_stream(self._pinned_for).synchronize()
         if self.cuda:
             self._load.wait_event(self._cksum_done[seq % 2])
             self._free[seq % 2].record(self._load)

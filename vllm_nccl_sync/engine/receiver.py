@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from vllm_nccl_sync.engine.commit import CommitRound
 from vllm_nccl_sync.engine.dataplane import ReceivePlane, digest_problem, seal_problem
 from vllm_nccl_sync.engine.handshake import Reference
@@ -33,7 +35,7 @@ from vllm_nccl_sync.outcomes import UpdateFailed, WorkerSummary, clip
 from vllm_nccl_sync.planes.base import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
-from vllm_nccl_sync.wire.packing import Reassembler
+from vllm_nccl_sync.wire.packing import Reassembler, align_up, tensor_nbytes
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     AdapterSpec,
@@ -47,7 +49,7 @@ from vllm_nccl_sync.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    import torch
+    from vllm_nccl_sync.engine.shadow import BesideReceive
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class Receiver:
         # The trainer waits `timeout_s` for the slowest receiver, then sends its verdict (Go,
         # Commit or Abort): receivers wait a little longer for it, so a dead peer is named by the
         # trainer and every live receiver hears the same verdict instead of racing it.
-        self._verdict_s = cfg.timeout_s + max(1.0, 0.1 * cfg.timeout_s)
+        self.verdict_s = cfg.timeout_s + max(1.0, 0.1 * cfg.timeout_s)
         self.state = state if state is not None else ReceiverState()
         self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
         self.inbox = Inbox(self.channel, rank, cfg.timeout_s, self._extend)
@@ -98,11 +100,11 @@ class Receiver:
         # One data-plane group per sender: {sender s} + every receiver (one sender: the config's).
         group_rank = rank - cfg.num_senders + 1
         self.plane = ReceivePlane([open_transport(cfg.group(s), group_rank, device)
-                                   for s in range(cfg.num_senders)], cfg.bucket_bytes)
+                                   for s in range(cfg.num_senders)], cfg.bucket_bytes, device)
         self.transports = self.plane.transports
         self.transport = self.transports[0]
         self.buffers = self.plane.buffers
-        self._round = CommitRound(self.inbox, self.plane, rank, cfg.timeout_s, self._verdict_s)
+        self._round = CommitRound(self.inbox, self.plane, rank, cfg.timeout_s, self.verdict_s)
 
     @property
     def broken(self) -> str:
@@ -111,7 +113,7 @@ class Receiver:
 
     def _extend(self) -> None:
         """Progress: the deadman restarts its count."""
-        self.plane.extend(self._verdict_s)
+        self.plane.extend(self.verdict_s)
 
     # ------------------------------------------------------------------ one update
 
@@ -119,8 +121,12 @@ class Receiver:
         """`run` as its msgpack-native summary (what crosses a process boundary)."""
         return self.run(loader, timeout_s).to_dict()
 
-    def run(self, loader: WeightLoader, timeout_s: float | None = None) -> WorkerSummary:
+    def run(self, loader: WeightLoader, timeout_s: float | None = None,
+            beside: BesideReceive | None = None) -> WorkerSummary:
         """Receive one whole update into `loader`; never raises for a failed update.
+
+        `beside`: the update is received while the engine serves (`shadow`): kept in its shadow,
+        and loaded only once its gate opens, after the commit round's first phase.
 
         `timeout_s` bounds the wait for the update to start (the trainer may still be training);
         every later wait is bounded by the config's `timeout_s` (and a little more for the
@@ -128,20 +134,26 @@ class Receiver:
         receiver of every engine confirmed the update.
         """
         self.inbox.reset()
-        u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders)
+        u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders, beside=beside)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
         re = Reassembler()
         try:
             plan = self.inbox.opening(timeout_s or self.cfg.timeout_s)
+            if beside is not None:
+                beside.mark("plan")
             self._open(plan, u)
+            if beside is not None:
+                beside.mark("ready")
             u.t0 = time.perf_counter()
             if plan.adapter is not None:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
             if not u.staged:  # staged updates keep whole copies anyway
                 re = Reassembler(getattr(loader, "load_rows", None))
-            with self.plane.armed(self._verdict_s, f"update {u.version}"):
+            elif beside is not None:  # large tensors go into the shadow as their rows arrive
+                re = Reassembler(beside.shadow.load_rows)
+            with self.plane.armed(self.verdict_s, f"update {u.version}"):
                 self._buckets(loader, re, u)
                 self._round.run(loader, u)
         except Exception as e:  # noqa: BLE001 - a failed update must never take the engine down
@@ -166,7 +178,7 @@ class Receiver:
         held = (self.state.version if plan.adapter is None
                 else self.state.adapters.get(plan.adapter.name, -1))
         problem = (plan_problem(plan, self.rank, held, self.reference, self.adapters is not None)
-                   or u.open(plan, self.reference))
+                   or self._shadow_problem(plan, u) or u.open(plan, self.reference))
         if problem:
             u.failed, u.refused = problem, 0
             self.inbox.fail(u, problem, -1)
@@ -175,10 +187,26 @@ class Receiver:
             self._pump(u, lambda: False, "Abort")
         self.inbox.send(Ready(PROTOCOL_VERSION, self.rank, u.accepted, plan.version))
 
+    def _shadow_problem(self, plan: Plan, u: Update) -> str:
+        """Why an update received beside serving is refused ("" if its shadow fits)."""
+        if u.beside is None:
+            return ""
+        where = f"rank {self.rank} refused update {plan.version}"
+        if not plan.staged:
+            return (f"{where}: an update received beside serving must be staged (push it with "
+                    "staged=True; WeightSync.update(beside=True) does)")
+        try:
+            nbytes = sum(align_up(tensor_nbytes(t.dtype, t.shape)) for t in plan.tensors)
+        except (KeyError, ValueError) as e:
+            return f"{where}: {clip(str(e))}"
+
+        problem = u.beside.shadow.reserve(nbytes)
+        return f"{where}: {problem}" if problem else ""
+
     def _pump(self, u: Update, want: Callable[[], bool], what: str) -> None:
         """Handle the sender's messages until `want()` holds, within one deadline: a stream's
         headers (answered), `Go`s, `Digest`s. Anything else ends the update (`UpdateFailed`)."""
-        wait = Wait(f"{what} of update {u.version}", self._verdict_s)
+        wait = Wait(f"{what} of update {u.version}", self.verdict_s)
         while not want():
             msg = self.inbox.next(u, wait)
             if isinstance(msg, BucketHeader) and u.last < 0:
@@ -232,6 +260,8 @@ class Receiver:
                 self._start(seq + 1, u)
             with self.plane.loading():
                 self._arrived(seq, u)
+                if seq == 0 and u.beside is not None:
+                    u.beside.mark("bucket0")
                 self._load(seq, loader, re, u)
                 self.plane.loaded(seq)
             self._extend()
@@ -239,7 +269,10 @@ class Receiver:
                 break
             del u.headers[seq]
             u.seq = seq + 1
-        self._verify(self._round.seal(u), u)
+        seal = self._round.seal(u)
+        if u.beside is not None:
+            u.beside.mark("sealed")
+        self._verify(seal, u)
         if u.failed is None and u.began:
             try:
                 with self.plane.loading():
@@ -292,7 +325,10 @@ class Receiver:
             named = re.unpack(header, self.buffers[seq % 2])
             u.ntensors += len(named) + re.loaded_by_rows - by_rows
             if u.staged:
-                u.staged_tensors += [(n, t.clone()) for n, t in named]
+                keep = u.beside.shadow.keep if u.beside is not None else torch.clone
+                u.staged_tensors += [(n, keep(t)) for n, t in named]
+                if u.beside is not None:
+                    u.staged_tensors += u.beside.shadow.take_completed()
             elif named or header.is_last:
                 loader.load(named)
             if header.is_last:

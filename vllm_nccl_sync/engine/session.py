@@ -21,6 +21,7 @@ from vllm_nccl_sync.engine.checksums import module_checksums, param_pointers
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.metrics import export_state, prometheus_text
 from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.engine.shadow import BesideReceive, Shadow
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader
 from vllm_nccl_sync.outcomes import WorkerSummary
 from vllm_nccl_sync.wire.config import SyncConfig
@@ -75,6 +76,8 @@ class EngineSession:
         self._parallel = parallel
         self._make_adapters = adapters
         self._adapters: Adapters | None = None
+        self._beside: BesideReceive | None = None
+        self._shadow: Shadow | None = None
 
     def join(self, cfg: SyncConfig, where: Placement, loaders: Callable[[], WeightLoader], *,
              reference: Reference | None = None, dtype: str = "",
@@ -88,6 +91,7 @@ class EngineSession:
         known); `device` the worker's device (the NCCL data plane uses it). Raises what joining
         raises (`TimeoutError` naming the trainer's address, ...).
         """
+        self._refuse_while_beside("join")
         self.close()
         loaders()
         if self._make_adapters is not None and self._adapters is None:
@@ -103,14 +107,59 @@ class EngineSession:
     def joined(self) -> bool:
         return self.receiver is not None
 
+    def _not_ready(self) -> WorkerSummary | None:
+        """Why no update can be received now (None: one can)."""
+        why = ("this worker has not joined a trainer (join first)" if self.receiver is None
+               else "an update is being received beside serving (swap it first)"
+               if self._beside is not None and self._beside.running else "")
+        return None if not why else WorkerSummary(
+            ok=False, rank=self.receiver.rank if self.receiver else -1,
+            version=self.state.version, consistent=self.state.consistent, error=why)
+
+    def _refuse_while_beside(self, what: str) -> None:
+        if self._beside is not None and self._beside.running:
+            raise RuntimeError(f"cannot {what} while an update is received beside serving "
+                               "(swap it first)")
+
     def receive(self, timeout_s: float | None = None) -> WorkerSummary:
         """Receive one update (call while the trainer pushes); `timeout_s` bounds the wait for
         it to start. Returns this worker's summary, ok or not."""
-        if self.receiver is None or self.loaders is None:
-            return WorkerSummary(ok=False, rank=-1, version=self.state.version,
-                                 consistent=self.state.consistent,
-                                 error="this worker has not joined a trainer (join first)")
+        if (refused := self._not_ready()) is not None:
+            return refused
+        assert self.receiver is not None and self.loaders is not None
         return self.receiver.run(self.loaders(), timeout_s)
+
+    def receive_beside(self, timeout_s: float | None = None, place: str = "device",
+                       device: torch.device | None = None) -> WorkerSummary:
+        """Start receiving one (staged) update while the engine keeps serving, into a shadow
+        on `place` (`shadow.Shadow`); returns at once (`ok`: started). `swap` loads it."""
+        if (refused := self._not_ready()) is not None:
+            return refused
+        receiver = self.receiver
+        assert receiver is not None and self.loaders is not None
+        loader = self.loaders()
+        if self._shadow is None or self._shadow.place != place:
+            self._shadow = None  # one shadow at a time
+            dev = device if device is not None else _device_of(self._model())
+            self._shadow = Shadow(dev, place)
+        self._beside = BesideReceive(lambda b: receiver.run(loader, timeout_s, b),
+                                     self._shadow, receiver.verdict_s)
+        return WorkerSummary(ok=True, rank=receiver.rank, version=self.state.version,
+                             consistent=self.state.consistent, extra={"beside": "receiving"})
+
+    def swap(self, timeout_s: float) -> WorkerSummary:
+        """Load the update received beside serving (call with generation paused); waits for it
+        to be verified everywhere (at most the receive's own bounds) and committed, or to fail.
+        Returns its summary, as `receive` does."""
+        beside = self._beside
+        if beside is None:
+            return WorkerSummary(ok=False, rank=self.receiver.rank if self.receiver else -1,
+                                 version=self.state.version, consistent=self.state.consistent,
+                                 error="no update is being received beside serving")
+        out = beside.swap(timeout_s)
+        if not beside.running:
+            self._beside = None
+        return out
 
     def report(self) -> dict[str, Any]:
         """Weight version held, consistency, counters and adapter versions of this worker."""
@@ -118,7 +167,10 @@ class EngineSession:
         return {"joined": self.joined, "rank": self.receiver.rank if self.receiver else -1,
                 "version": st.version, "consistent": st.consistent, "updates": st.updates,
                 "failures": st.failures, "bytes": st.bytes, "last_seconds": st.last_seconds,
-                "last_error": st.last_error, "adapters": dict(st.adapters)}
+                "last_error": st.last_error, "adapters": dict(st.adapters),
+                "beside": self._beside.stage if self._beside is not None
+                and self._beside.running else "",
+                "shadow_bytes": self._shadow.nbytes if self._shadow is not None else 0}
 
     def adapters(self) -> dict[str, Any]:
         """Every LoRA adapter pushed into this worker: committed version, id, rank, targets."""
@@ -142,7 +194,17 @@ class EngineSession:
         return {"state": self.report(), "prometheus": prometheus_text()}
 
     def close(self) -> None:
-        """Leave the transfer group (what the worker holds stays)."""
+        """Leave the transfer group (what the worker holds stays); a receive beside serving
+        ends first, without loading."""
+        if self._beside is not None:
+            self._beside.cancel(3 * (self.receiver.cfg.timeout_s if self.receiver else 60) + 30)
+            self._beside = None
+        self._shadow = None
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             receiver.close()
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")

@@ -68,6 +68,8 @@ class Update:
     staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     adapter: AdapterSpec | None = None
     """The LoRA adapter this update targets (None: base weights)."""
+    beside: Any = None
+    """`shadow.BesideReceive` of an update received beside serving (None: paused)."""
     t0: float = 0.0
 
     def open(self, plan: Plan, reference: Reference | None) -> str:

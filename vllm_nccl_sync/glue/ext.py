@@ -42,6 +42,20 @@ class Ext:
         """Receive one update (call while the trainer pushes). Returns this worker's summary."""
         return self._nccl_sync_session().receive(timeout_s).to_dict()
 
+    def nccl_sync_receive_beside(self, timeout_s: float | None = None,
+                                 shadow: str = "device") -> dict[str, Any]:
+        """Start receiving one staged update while the engine keeps serving, into a shadow copy
+        (`shadow`: "device", or "host" memory); returns at once. `nccl_sync_swap` loads it."""
+        return self._nccl_sync_session().receive_beside(timeout_s, shadow).to_dict()
+
+    def nccl_sync_swap(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Load the update received beside serving, in place (call with generation paused:
+        waits until it is verified everywhere). Returns this worker's summary of the update."""
+        session = self._nccl_sync_session()
+        bound = timeout_s if timeout_s is not None else (
+            3 * session.receiver.cfg.timeout_s + 30 if session.receiver is not None else 0.0)
+        return session.swap(bound).to_dict()
+
     def nccl_sync_state(self) -> dict[str, Any]:
         """Weight version held, consistency, counters and adapter versions of this worker."""
         return self._nccl_sync_session().report()

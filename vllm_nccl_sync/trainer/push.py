@@ -198,6 +198,7 @@ class PushClient:
         adapter: AdapterSpec | None = None,
         window: int = 1,
         balance: bool = False,
+        verified: Callable[[], None] | None = None,
     ) -> PushResult:
         """Send one complete update; returns once every receiver of every engine committed it.
 
@@ -213,7 +214,9 @@ class PushClient:
         `version` not newer than the one they hold unless `force`. `staged`: receivers load
         nothing until every bucket of every receiver arrived and verified. `adapter`: the
         tensors are this LoRA adapter's (a mapping only); receivers add it or replace the
-        weights of the adapter of that name, and version it on its own.
+        weights of the adapter of that name, and version it on its own. `verified` (staged
+        updates of one sender) is called once every receiver verified everything and was told so
+        (the first `Commit`), before the receivers load: engines receiving beside serving swap then.
 
         Several senders: every sender rank calls `push` with the same `version` and flags and a
         mapping of the tensors it owns; with `balance`, of every tensor it can produce, and the
@@ -226,6 +229,8 @@ class PushClient:
         aborted and this client must be replaced).
         """
         self.check(named_tensors, dtype=dtype, window=window, adapter=adapter, balance=balance)
+        if verified is not None and (not staged or self.cfg.num_senders > 1):
+            raise ValueError("verified= needs a staged update from one sender")
         if self._peer is not None:
             return self._peer.push(named_tensors, version, dtype=dtype, force=force, full=full,
                                    staged=staged, balance=balance)
@@ -236,13 +241,15 @@ class PushClient:
                                 progress=progress)
         else:
             result = self._send(named_tensors, version, caster, progress=progress, force=force,
-                                full=full, staged=staged, adapter=adapter, window=window)
+                                full=full, staged=staged, adapter=adapter, window=window,
+                                verified=verified)
         caster.report(version)
         return result
 
     def _send(self, named_tensors: Mapping[str, torch.Tensor] | Iterable, version: int,
               caster: Caster, *, progress: Progress | None, force: bool, full: bool,
-              staged: bool, adapter: AdapterSpec | None, window: int) -> PushResult:
+              staged: bool, adapter: AdapterSpec | None, window: int,
+              verified: Callable[[], None] | None = None) -> PushResult:
         """One sender's update (see `push`)."""
         cfg, lane, rounds = self.cfg, self.lane, self.rounds
         lane.begin()
@@ -326,6 +333,8 @@ class PushClient:
                                      [sums.get(k, 0) for k in range(lane.posted)]))
                 acks = rounds.commit(lane.posted, 1)
                 if staged:
+                    if verified is not None:
+                        verified()
                     rounds.commit(lane.posted, 2)
         except Exception as e:  # a receiver or the tensor source failed: end every wait
             if not isinstance(e, UpdateRefused):  # (a refusal was already answered by Abort)

@@ -8,7 +8,8 @@ raised (same type, `errors`, `missing` and cause), carrying the workers' own rep
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, Protocol
 
@@ -16,8 +17,10 @@ import torch
 
 from vllm_nccl_sync.outcomes import PushError, WorkerSummary, clip
 from vllm_nccl_sync.trainer.adapters import adapter_update
-from vllm_nccl_sync.trainer.beside import Outcome, beside, engine_call_s
+from vllm_nccl_sync.trainer.beside import Outcome, engine_call_s
+from vllm_nccl_sync.trainer.beside import beside as alongside
 from vllm_nccl_sync.trainer.push import PushClient, PushResult
+from vllm_nccl_sync.trainer.tensors import Progress
 from vllm_nccl_sync.wire.config import SyncConfig, free_ports
 from vllm_nccl_sync.wire.protocol import AdapterSpec
 
@@ -116,7 +119,7 @@ class WeightSync:
         bound = engine_call_s(self.cfg.timeout_s)
         calls = [partial(e.call, "nccl_sync_join", cfg, off, timeout=bound)
                  for e, off in zip(self.engines, self.offsets, strict=True)]
-        joined, answers = beside(calls, self.client.connect, self.cfg.timeout_s,
+        joined, answers = alongside(calls, self.client.connect, self.cfg.timeout_s,
                                  name="nccl-sync-join")
         if joined.error is not None:
             raise joined.error
@@ -135,13 +138,21 @@ class WeightSync:
         force: bool = False,
         staged: bool = False,
         adapter: AdapterSpec | None = None,
+        beside: bool = False,
+        shadow: str = "device",
+        progress: Progress | None = None,
     ) -> PushResult:
         """Push one complete update into every engine.
 
         Each engine is paused (`pause_mode`: `abort`, `wait` or `keep` its in-flight requests) for
         the update and resumed with its prefix cache reset, whatever the outcome. Engines refuse a
-        `version` not newer than the one they hold unless `force`; `staged`, `dtype` and
-        `adapter` (the tensors are this LoRA adapter's, see `update_adapter`) are `push`'s.
+        `version` not newer than the one they hold unless `force`; `staged`, `dtype`, `adapter`
+        (the tensors are this LoRA adapter's, see `update_adapter`) and `progress` are `push`'s.
+
+        `beside`: the engines keep serving while they receive (a staged update, kept in a shadow
+        copy on the engine's device, or in host memory with `shadow="host"`); once every worker
+        verified everything, each engine is paused per `pause_mode` only for the swap, which
+        loads the shadow in place (docs/serving.md).
         Raises what `PushClient.push` raised (`UpdateRefused`, `PushError`: the same type,
         `errors`, `missing` and cause) with the workers' reports in `summaries`; a `PushError`
         naming the workers whose reports failed when the push itself succeeded.
@@ -149,18 +160,63 @@ class WeightSync:
         if pause_mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause_mode {pause_mode!r} must be 'abort', 'wait' or 'keep'")
         self.client.check(named_tensors, dtype=dtype, adapter=adapter)  # before engines wait
+        push = partial(self.client.push, named_tensors, version, dtype=dtype, force=force,
+                       adapter=adapter, progress=progress)
+        if beside:
+            return self._beside(push, version, pause_mode, shadow)
         for e in self.engines:
             e.pause(pause_mode)
         try:
-            pushed, answers = beside(
+            pushed, answers = alongside(
                 self._calls("nccl_sync_receive", self.cfg.timeout_s),
-                partial(self.client.push, named_tensors, version, dtype=dtype, force=force,
-                        staged=staged, adapter=adapter),
-                self.cfg.timeout_s, name="nccl-sync-receive")
+                partial(push, staged=staged), self.cfg.timeout_s, name="nccl-sync-receive")
         finally:
             for e in self.engines:
                 e.resume()
         return settle(version, pushed, answers, self.engines, self.offsets)
+
+    def _beside(self, push: Callable[..., PushResult], version: int, pause_mode: str,
+                shadow: str) -> PushResult:
+        """`update(beside=True)`: start every worker's receive beside serving, push (staged);
+        once every worker verified, pause each engine, swap, resume."""
+        t = self.cfg.timeout_s
+        bound = engine_call_s(t)
+        for i, state in enumerate(self.state()):
+            busy = [s.get("rank") for s in state if s.get("beside")]
+            if busy:
+                raise PushError(f"engine {i}'s workers {busy} are still receiving an update beside "
+                                "serving (it ends by its own timeout)")
+        for i, e in enumerate(self.engines):
+            started = e.call("nccl_sync_receive_beside", t, shadow, timeout=bound)
+            failed = [s for s in started if not s.get("ok")]
+            if failed:
+                raise PushError(f"engine {i} could not receive beside serving: "
+                                + "; ".join(str(s.get("error")) for s in failed))
+        turn, verified = threading.Event(), threading.Event()
+
+        def swap_all() -> list[Outcome]:
+            turn.wait(bound)
+            paused = verified.is_set()  # else the push failed: collect the reports, no pause
+            try:
+                if paused:
+                    for e in self.engines:
+                        e.pause(pause_mode)
+                return alongside(self._calls("nccl_sync_swap", bound), lambda: None, t,
+                              name="nccl-sync-swap")[1]
+            finally:
+                if paused:
+                    for e in self.engines:
+                        e.resume()
+
+        def pushed() -> PushResult:
+            try:
+                return push(staged=True, verified=lambda: (verified.set(), turn.set()))
+            finally:
+                turn.set()
+
+        done, (swapped,) = alongside([swap_all], pushed, t, name="nccl-sync-beside")
+        answers = swapped.value if swapped.ok else [swapped] * len(self.engines)
+        return settle(version, done, answers, self.engines, self.offsets)
 
     def update_adapter(
         self,
@@ -200,5 +256,5 @@ class WeightSync:
 
     def close(self) -> None:
         """Leave the group on every engine (best effort: an engine may be gone) and close."""
-        beside(self._calls("nccl_sync_close"), lambda: None, 0.0, name="nccl-sync-close")
+        alongside(self._calls("nccl_sync_close"), lambda: None, 0.0, name="nccl-sync-close")
         self.client.close()

@@ -1,0 +1,194 @@
+"""Receiving beside serving, on the one engine session (CPU, gloo, real ZeroMQ sockets).
+
+A torch module stands in for the engine's model (the vLLM engine's own test is
+`test_serving_beside.py`); `WeightSync` drives it through an in-process handle. The promises: the
+live weights stay the old ones until the swap, and the swap happens only after every worker
+verified everything, with the engine paused; a plan that is not staged, or whose shadow does not
+fit, is refused before a byte moves; a failure before the swap leaves the weights and the version
+untouched, and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_nccl_sync import PushError, UpdateRefused, WeightSync
+from vllm_nccl_sync.engine.loaders import ModuleLoader
+from vllm_nccl_sync.engine.session import EngineSession, Placement
+from vllm_nccl_sync.engine.shadow import Shadow
+from vllm_nccl_sync.wire.config import SyncConfig
+
+TIMEOUT = 20.0  # a bound on every wait, never a speed requirement
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(300, 64, generator=g),  # larger than one bucket
+            "norm.weight": torch.randn(33, generator=g), "steps": torch.arange(5.0)}
+
+
+def make_model() -> torch.nn.Module:
+    m = torch.nn.Module()
+    for n, t in tensors(0).items():
+        m.register_parameter(n.replace(".", "_"), torch.nn.Parameter(t.clone(), False))
+    return m
+
+
+class Loader(ModuleLoader):
+    """`ModuleLoader` under the tensors' dotted names."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.targets = {n.replace("_", ".", 1): t for n, t in self.targets.items()}
+
+
+class LocalEngine:
+    """An in-process engine of one worker: the extension's calls mapped onto an `EngineSession`.
+    `pause` records what the worker reported and held when it was called."""
+
+    workers = 1
+
+    def __init__(self) -> None:
+        self.model = make_model()
+        self.session = EngineSession(lambda: self.model, lambda: (0, 1))
+        self.events: list[tuple[str, Any]] = []
+
+    def held(self) -> dict[str, torch.Tensor]:
+        return {n.replace("_", ".", 1): p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        s = self.session
+        if method == "nccl_sync_join":
+            cfg, offset = args
+            s.join(SyncConfig.from_dict(cfg), Placement(offset), lambda: Loader(self.model))
+            return [{"rank": offset}]
+        if method == "nccl_sync_receive":
+            return [s.receive(*args).to_dict()]
+        if method == "nccl_sync_receive_beside":
+            return [s.receive_beside(*args).to_dict()]
+        if method == "nccl_sync_swap":
+            return [s.swap(*args).to_dict()]
+        if method == "nccl_sync_state":
+            return [s.report()]
+        if method == "nccl_sync_close":
+            s.close()
+            return [None]
+        raise ValueError(method)
+
+    def pause(self, mode: str) -> None:
+        self.events.append(("pause", (mode, self.session.report()["beside"], self.held())))
+
+    def resume(self) -> None:
+        self.events.append(("resume", self.session.report()["version"]))
+
+
+@pytest.fixture
+def engine():
+    e = LocalEngine()
+    sync = WeightSync([e], backend="gloo", bucket_bytes=8192, timeout_s=TIMEOUT)
+    sync.connect()
+    yield e, sync
+    sync.close()
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_the_weights_change_only_at_the_swap_after_everything_verified(engine):
+    e, sync = engine
+    before, ptrs = e.held(), e.session.param_ptrs()
+    during: list[tuple[str, bool]] = []
+
+    def progress(buckets: int, nbytes: int, seconds: float) -> None:  # mid-push
+        during.append((e.session.report()["beside"], same(e.held(), before)))
+
+    result = sync.update(tensors(1), 1, beside=True, pause_mode="keep", progress=progress)
+    assert result.version == 1 and result.buckets > 2
+    assert during and all(d == ("receiving", True) for d in during), during
+    (kind, (mode, stage, held)), resumed = e.events
+    # Paused once every worker verified (the worker may still be taking the first Commit).
+    assert kind == "pause" and mode == "keep" and stage in ("receiving", "ready")
+    assert same(held, before)
+    assert resumed == ("resume", 1)
+    assert same(e.held(), tensors(1)) and e.session.param_ptrs() == ptrs  # in place
+    report = e.session.report()
+    assert report["version"] == 1 and report["consistent"] and report["beside"] == ""
+    assert report["shadow_bytes"] >= sum(t.nbytes for t in tensors(1).values())
+    # The shadow is kept: the next update reuses it.
+    sync.update(tensors(2), 2, beside=True)
+    assert same(e.held(), tensors(2)) and e.session.report()["shadow_bytes"] == \
+        report["shadow_bytes"]
+
+
+def test_a_plan_that_is_not_staged_is_refused_before_a_byte_moves(engine):
+    e, sync = engine
+    assert e.session.receive_beside(TIMEOUT).ok
+    with pytest.raises(UpdateRefused, match="must be staged"):
+        sync.client.push(tensors(1), 1)
+    out = e.session.swap(TIMEOUT)
+    assert not out.ok and "must be staged" in out.error
+    assert same(e.held(), tensors(0)) and e.session.report()["version"] == -1
+
+
+def test_a_shadow_that_does_not_fit_is_refused_with_the_numbers(engine):
+    e, sync = engine
+    e.session._shadow = Shadow(torch.device("cpu"), "device", available=lambda d, p: 1000)
+    with pytest.raises(UpdateRefused, match=r"shadow copy of the update \(0\.\d+ GB\).*0\.00 GB "
+                                            r"is free.*shadow='host'") as err:
+        sync.update(tensors(1), 1, beside=True)
+    assert err.value.summaries and not err.value.summaries[0].ok
+    assert same(e.held(), tensors(0)) and e.session.report()["consistent"]
+    assert e.events == []  # never paused: nothing to swap
+
+
+def test_a_failure_mid_receive_leaves_the_served_weights_and_version(engine):
+    e, sync = engine
+    sync.update(tensors(1), 1, beside=True)
+
+    def stream():
+        yield "embed.weight", tensors(2)["embed.weight"]
+        raise RuntimeError("the trainer's gather failed")
+
+    with pytest.raises(PushError, match="gather failed") as err:
+        sync.update(stream(), 2, beside=True)
+    assert same(e.held(), tensors(1))
+    report = e.session.report()
+    assert report["version"] == 1 and report["consistent"] and report["beside"] == ""
+    assert [s.ok for s in err.value.summaries] == [False]
+    assert [k for k, _ in e.events] == ["pause", "resume"]  # only the first update's swap
+    sync.update(tensors(3), 3, beside=True)  # and the next one goes through
+    assert same(e.held(), tensors(3))
+
+
+def test_no_other_receive_or_join_while_one_runs_beside(engine):
+    e, sync = engine
+    assert e.session.receive_beside(TIMEOUT).ok
+    s = e.session.receive(0.1)
+    assert not s.ok and "beside serving" in s.error
+    again = e.session.receive_beside(TIMEOUT)
+    assert not again.ok and "beside serving" in again.error
+    with pytest.raises(RuntimeError, match="beside serving"):
+        e.session.join(sync.cfg, Placement(1), lambda: Loader(e.model))
+    with pytest.raises(PushError, match="still receiving"):
+        sync.update(tensors(1), 1, beside=True)
+    e.session.close()  # cancels it: nothing loaded
+    assert same(e.held(), tensors(0)) and e.session.report()["beside"] == ""
+
+
+def test_a_swap_nobody_asks_for_ends_the_update_unloaded():
+    e = LocalEngine()
+    sync = WeightSync([e], backend="gloo", bucket_bytes=8192, timeout_s=2.0)
+    sync.connect()
+    try:
+        assert e.session.receive_beside(2.0).ok
+        with pytest.raises(PushError):
+            sync.client.push(tensors(1), 1, staged=True)  # nobody swaps
+        out = e.session.swap(30.0)
+        assert not out.ok and ("no swap was asked" in out.error or "aborted" in out.error), out
+        assert same(e.held(), tensors(0)) and e.session.report()["version"] == -1
+    finally:
+        sync.close()
