@@ -192,3 +192,11 @@ def test_a_swap_nobody_asks_for_ends_the_update_unloaded():
         assert same(e.held(), tensors(0)) and e.session.report()["version"] == -1
     finally:
         sync.close()
+
+
+def test_a_streamed_update_lands_whole_through_the_shadow(engine):
+    """A generator (no tensor list in the plan, so no arena is sized): each tensor gets room of
+    its own; the one larger than a bucket arrives in chunks of rows."""
+    e, sync = engine
+    sync.update(((n, t) for n, t in tensors(4).items()), 4, beside=True)
+    assert same(e.held(), tensors(4)) and e.session.report()["version"] == 4
