@@ -111,13 +111,17 @@ class EngineSession:
         """Why no update can be received now (None: one can)."""
         why = ("this worker has not joined a trainer (join first)" if self.receiver is None
                else "an update is being received beside serving (swap it first)"
-               if self._beside is not None and self._beside.running else "")
+               if self._receiving_beside else "")
         return None if not why else WorkerSummary(
             ok=False, rank=self.receiver.rank if self.receiver else -1,
             version=self.state.version, consistent=self.state.consistent, error=why)
 
+    @property
+    def _receiving_beside(self) -> bool:
+        return self._beside is not None and self._beside.running
+
     def _refuse_while_beside(self, what: str) -> None:
-        if self._beside is not None and self._beside.running:
+        if self._receiving_beside:
             raise RuntimeError(f"cannot {what} while an update is received beside serving "
                                "(swap it first)")
 
@@ -168,8 +172,7 @@ class EngineSession:
                 "version": st.version, "consistent": st.consistent, "updates": st.updates,
                 "failures": st.failures, "bytes": st.bytes, "last_seconds": st.last_seconds,
                 "last_error": st.last_error, "adapters": dict(st.adapters),
-                "beside": self._beside.stage if self._beside is not None
-                and self._beside.running else "",
+                "beside": self._beside.stage if self._receiving_beside else "",
                 "shadow_bytes": self._shadow.nbytes if self._shadow is not None else 0}
 
     def adapters(self) -> dict[str, Any]:

@@ -51,9 +51,11 @@ class Ext:
     def nccl_sync_swap(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Load the update received beside serving, in place (call with generation paused:
         waits until it is verified everywhere). Returns this worker's summary of the update."""
+        from vllm_nccl_sync.trainer.beside import engine_call_s
+
         session = self._nccl_sync_session()
         bound = timeout_s if timeout_s is not None else (
-            3 * session.receiver.cfg.timeout_s + 30 if session.receiver is not None else 0.0)
+            engine_call_s(session.receiver.cfg.timeout_s) if session.receiver is not None else 0.0)
         return session.swap(bound).to_dict()
 
     def nccl_sync_state(self) -> dict[str, Any]:
