@@ -293,6 +293,20 @@ def api_trainer(sock, tensors: dict, bucket: int, gpu: bool):
         BACKEND, WeightTransferConfig(backend=BACKEND), info, client=client, source=source)
 
 
+def trainer_weights(layers: int, dev) -> tuple[dict, dict]:
+    """The trainer's random bf16 weights (HF names, checkpoint order) on `dev`, and what it tells
+    the driver: total bytes, the checksums expected in vLLM's layout, names and shapes."""
+    import torch
+
+    g = torch.Generator(device=dev).manual_seed(1234)
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_(generator=g)
+               for n, s in model_spec(layers)}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    expected = checksums(vllm_layout(tensors))
+    return tensors, {"nbytes": nbytes, "expected": expected, "names": list(tensors),
+                     "shapes": [list(t.shape) for t in tensors.values()]}
+
+
 def trainer(args) -> None:
     """Holds the weights on its GPU; sends them by whichever method the driver asks for."""
     import torch
@@ -304,13 +318,9 @@ def trainer(args) -> None:
         torch.cuda.set_device(dev)
     sock = zmq.Context().socket(zmq.PAIR)
     sock.connect(f"tcp://127.0.0.1:{args.ctl_port}")
-    g = torch.Generator(device=dev).manual_seed(1234)
-    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_(generator=g)
-               for n, s in model_spec(args.layers)}
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    expected = checksums(vllm_layout(tensors))
-    sock.send_json({"nbytes": nbytes, "expected": expected,
-                    "names": list(tensors), "shapes": [list(t.shape) for t in tensors.values()]})
+    tensors, info = trainer_weights(args.layers, dev)
+    nbytes = info["nbytes"]
+    sock.send_json(info)
     clients: dict[int, object] = {}
     group, flat, api = None, None, None
     while True:
@@ -612,16 +622,16 @@ def env_info() -> dict:
     return info
 
 
-def start_engine(args, path: str, backend: str | None):
-    """A vLLM `LLM` in this process with the benchmark's settings and this weight-transfer
-    backend (None: none, the CPU smoke's first engine)."""
+def start_engine(args, path: str, backend: str | None, ext: str = "bench_vllm_gpu.BenchExt"):
+    """A vLLM `LLM` in this process with the benchmark's settings, this weight-transfer backend
+    (None: none, the CPU smoke's first engine) and worker extension `ext`."""
     from vllm import LLM
 
     wt = {} if backend is None else {"weight_transfer_config": {"backend": backend}}
     return LLM(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                enforce_eager=not args.compile, gpu_memory_utilization=args.gpu_mem,
                max_model_len=2048, max_num_seqs=16, seed=0,
-               worker_extension_cls="bench_vllm_gpu.BenchExt", **wt)
+               worker_extension_cls=ext, **wt)
 
 
 def stop_engine(llm) -> None:
@@ -725,6 +735,13 @@ def driver(args) -> dict:
             proc.kill()
 
 
+def use_smoke_dims() -> None:
+    """`--cpu-smoke`: the tiny dims, and vLLM CPU's KV cache and thread binding for a small host."""
+    DIMS.update(SMOKE_DIMS)
+    for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
+        os.environ.setdefault(k, v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="driver", choices=["driver", "trainer"])
@@ -747,9 +764,7 @@ def main() -> None:
                     help="script check on a CPU vLLM: tiny dims, gloo, raw, ours, ours_vllm_api")
     args = ap.parse_args()
     if args.cpu_smoke:
-        DIMS.update(SMOKE_DIMS)
-        for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
-            os.environ.setdefault(k, v)
+        use_smoke_dims()
     args.bucket_mib = [float(x) for x in args.bucket_mib.split(",") if x]
     args.extra_ours_mib = [float(x) for x in args.extra_ours_mib.split(",") if x]
     if not args.bucket_mib:

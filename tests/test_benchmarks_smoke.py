@@ -3,8 +3,9 @@
 Each script runs as a subprocess (its own session, killed whole at the deadline: an upper bound
 for a loaded machine, not an expectation) and must exit 0 and print its result lines, with every
 mode that it checks bit for bit reported exact. Typical times on a 2-core machine: bench_nccl
-~15 s, bench_vllm_gpu ~30 s (two engines), robustness ~50 s (two engines, one at a time),
-bench_pause ~50 s (one AsyncLLM engine), fault_matrix (one scenario) ~2 min.
+~15 s, bench_vllm_gpu ~30 s (two engines), bench_colocated ~15 s (one engine), robustness ~50 s
+(two engines, one at a time), bench_pause ~50 s (one AsyncLLM engine), fault_matrix (one
+scenario) ~2 min.
 """
 
 from __future__ import annotations
@@ -97,6 +98,35 @@ def test_bench_vllm_gpu_cpu_smoke(tmp_path):
         assert not (x["check"]["mismatched"] or x["check"]["missing"]
                     or x["check"]["unexpected"]), x["check"]
     assert r["model"]["tensors"] == 27
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_bench_colocated_cpu_smoke(tmp_path):
+    """Host copies, a raw gloo broadcast, and this project over gloo and over shared memory into
+    one CPU engine, both planes joined at once (a session each)."""
+    path = tmp_path / "colocated.json"
+    out = run_script(["benchmarks/bench_colocated.py", "--cpu-smoke", "--layers", "2",
+                      "--bucket-mib", "0.0625", "--reps", "2", "--json", str(path)], deadline_s=300)
+    rows = table_rows(out, "", slice(0, 2))
+    checked = {"ours_gloo 64 KiB", "ours_shm 64 KiB"}
+    assert set(rows) == {"method bucket", "floor -", "floor_per_tensor -",
+                         "raw_gloo 64 KiB"} | checked, out
+    assert all(rows[k][-1] == "yes" for k in checked), out
+    assert "not bit-exact" not in out and "FAILED" not in out
+    r = json.loads(path.read_text())
+    assert r["mode"] == "cpu" and r["model"]["tensors"] == 27
+    by = {x["method"]: x for x in r["rows"]}
+    assert list(by) == ["floor", "floor_per_tensor", "raw_gloo", "ours_gloo", "ours_shm"]
+    for x in by.values():  # each timed twice after the warm-up, none failed
+        assert "error" not in x and len(x["times_s"]) == 2 and x["median_s"] > 0, x
+    assert by["floor"]["ratio_to_floor"] == 1.0
+    for m in ("ours_gloo", "ours_shm"):  # several buckets each; every engine parameter exact
+        x = by[m]
+        assert x["exact"] and x["buckets"] > 1 and x["ratio_to_floor"] > 0, x
+        assert not (x["check"]["mismatched"] or x["check"]["missing"]
+                    or x["check"]["unexpected"]), x["check"]
+    assert os.path.exists(r["trainer_log"])
 
 
 @pytest.mark.vllm

@@ -80,13 +80,14 @@ def receiver_proc(cfg: dict, rank: int, n_updates: int) -> dict:
     return {"updates": out, "sizes": sizes}
 
 
-def make_cfg(bucket_bytes: int = 16 * 1024) -> dict:
+def make_cfg(bucket_bytes: int = 16 * 1024, backend: str = "gloo") -> dict:
     return dict(control_port=free_port(), group_port=free_port(), world_size=3,
-                bucket_bytes=bucket_bytes, timeout_s=30.0)
+                bucket_bytes=bucket_bytes, timeout_s=30.0, backend=backend)
 
 
-def test_two_receivers_get_bit_identical_tensors_and_exact_bytes():
-    cfg = make_cfg()
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_two_receivers_get_bit_identical_tensors_and_exact_bytes(backend):
+    cfg = make_cfg(backend=backend)
     versions = [1, 2]
     sender, *receivers = run_procs(
         [(sender_proc, (cfg, versions))]

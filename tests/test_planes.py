@@ -32,8 +32,8 @@ def test_the_planes_policies():
 
 
 def test_an_unknown_plane_is_named():
-    with pytest.raises(ValueError, match="no data plane 'shm'"):
-        plane("shm")
+    with pytest.raises(ValueError, match="no data plane 'rdma'"):
+        plane("rdma")
     with pytest.raises(ValueError, match="no data plane '../x'"):
         plane("../x")
 

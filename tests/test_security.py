@@ -233,6 +233,7 @@ class _StandIn:
     broken = ""
     digest_per_bucket = True
     canary_bytes = 8
+    shares_buffers = False
 
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")

@@ -132,6 +132,7 @@ class FakePlane:
 
     device = torch.device("cpu")
     digest_per_bucket = True
+    shares_buffers = False
 
     def __init__(self, fail_at: int = -1) -> None:
         self.posted: list[torch.Tensor] = []

@@ -46,11 +46,19 @@ class ReceivePlane:
         self.device = first.device
         self.digest_per_bucket = first.digest_per_bucket
         self.canary_bytes = first.canary_bytes
-        pin = (self.device.type == "cpu" and engine is not None and engine.type == "cuda"
-               and torch.cuda.is_available())
-        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
-                                    pin_memory=pin) for _ in range(2)]
-        self._pinned_for = engine if pin else None
+        self.shared = first.shares_buffers
+        """The sender's buffers, mapped (same-host planes): loads read them in place, and each
+        is handed back (`release`) once its loads ran."""
+        feeds_cuda = (self.device.type == "cpu" and engine is not None and engine.type == "cuda"
+                      and torch.cuda.is_available())
+        if self.shared:
+            if len(transports) != 1:
+                raise ValueError(f"the {first.backend} plane takes one sender")
+            self.buffers = first.shared_buffers()
+        else:
+            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
+                                        pin_memory=feeds_cuda) for _ in range(2)]
+        self._pinned_for = engine if feeds_cuda else None
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self._issue = torch.cuda.Stream(self.device)
@@ -128,12 +136,16 @@ class ReceivePlane:
 
     def loaded(self, seq: int) -> None:
         """Bucket `seq`'s loads are queued: CUDA frees its buffer once they and its checksum ran;
-        a pinned host buffer, once the copies out of it ran (a load may copy asynchronously)."""
+        a pinned host buffer, once the copies out of it ran (a load may copy asynchronously); a
+        shared one goes back to the sender (on CUDA ordered after the loads)."""
         if self._pinned_for is not None:
             torch.cuda.current_stream(self._pinned_for).synchronize()
         if self.cuda:
             self._load.wait_event(self._cksum_done[seq % 2])
             self._free[seq % 2].record(self._load)
+        if self.shared:
+            with self.loading():  # CUDA: the sender's reuse waits for the load stream
+                self.transports[0].release(seq % 2)
 
     def settle(self, timeout_s: float) -> None:
         """CUDA: wait (bounded, polling) until every load and collective queued so far ran."""
@@ -150,7 +162,10 @@ class ReceivePlane:
 
     def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:
         """Wait for every collective still posted (after a clean abort each completes; else
-        barely wait); returns why the group can no longer be trusted ("" if it still can)."""
+        barely wait); returns why the group can no longer be trusted ("" if it still can). A
+        shared plane's buffers all go back to the sender."""
+        if self.shared:
+            return self._drain_shared(posted)
         if self.cuda:
             with torch.cuda.stream(self._load):
                 for w, _ in posted.values():
@@ -166,6 +181,17 @@ class ReceivePlane:
                 w.wait()
             except RuntimeError as err:
                 why = why or clip(str(err))
+        return why
+
+    def _drain_shared(self, posted: dict[int, Any]) -> str:
+        why = ""
+        with self.loading():
+            for w, _ in posted.values():
+                try:
+                    w.wait()
+                except RuntimeError as err:
+                    why = why or clip(str(err))
+            self.transports[0].release_all()
         return why
 
     def close(self) -> None:

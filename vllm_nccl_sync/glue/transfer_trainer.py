@@ -31,7 +31,7 @@ from vllm_nccl_sync.outcomes import SyncError, clip  # noqa: E402
 from vllm_nccl_sync.trainer.adapters import adapter_update  # noqa: E402
 from vllm_nccl_sync.trainer.beside import beside  # noqa: E402
 from vllm_nccl_sync.trainer.push import PushClient, PushResult  # noqa: E402
-from vllm_nccl_sync.wire.config import SyncConfig  # noqa: E402
+from vllm_nccl_sync.wire.config import BACKENDS, SyncConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
     group_port: int = 0
     """The data plane's rendezvous port; 0: a free port is chosen at each (re-)join."""
     transport: str = "auto"
-    """`SyncConfig.backend`: `nccl`, `gloo`, or `auto` (nccl when this trainer has a GPU)."""
+    """`SyncConfig.backend`: `nccl`, `gloo`, `ipc` (the engine on this trainer's GPU), `shm`
+    (a CPU engine on this host), or `auto` (nccl when this trainer has a GPU)."""
     bucket_bytes: int = _DEFAULT["bucket_bytes"]
     timeout_s: float = _DEFAULT["timeout_s"]
     """Bound on every wait of the handshake and of each update."""
@@ -114,8 +115,9 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
                              "backend holds two bucket buffers on each side")
         if self.rank < 0:
             raise ValueError(f"rank {self.rank} must be >= 0 (0 sends)")
-        if self.transport not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"transport {self.transport!r}: choose 'auto', 'nccl' or 'gloo'")
+        if self.transport != "auto" and self.transport not in BACKENDS:
+            raise ValueError(f"transport {self.transport!r}: choose 'auto' or one of "
+                             f"{list(BACKENDS)}")
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None),
                                                      torch.dtype):
             raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
@@ -232,7 +234,7 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
     def _device(self, cfg: SyncConfig) -> torch.device | None:
         if self.info.device is not None:
             return torch.device(self.info.device)
-        if cfg.backend == "nccl":
+        if cfg.backend in ("nccl", "ipc"):
             return torch.device("cuda", torch.cuda.current_device())
         return None
 

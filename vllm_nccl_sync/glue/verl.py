@@ -147,7 +147,8 @@ class VllmNcclSyncCheckpointEngine(_Base):
     `checkpoint_engine.engine_kwargs.vllm_nccl_sync`):
         bucket_size: bytes per bucket; each side holds two buffers of it.
         is_master: actor rank 0 (the sender; hosts the control socket and the group's store).
-        transport: the data plane, `nccl` (GPU tensors) or `gloo` (CPU). (Not `backend`: verl's
+        transport: the data plane, `nccl` (GPU tensors), `gloo` (CPU), or for verl's hybrid
+            engine (rollout and actor sharing each GPU) `ipc` (CUDA IPC). (Not `backend`: verl's
             `CheckpointEngineRegistry.new(backend, ...)` takes that name for the engine's.)
         host: address actor rank 0 binds (default: its Ray node address).
         timeout_s: bound on every wait of an update.

@@ -103,6 +103,7 @@ class Transport(abc.ABC):
       dead peer fails its transfers at the group's timeout; the others still get every bucket.
     - nccl: a peer cannot crash the process, but a dead peer leaves a collective pending until
       the deadman aborts the communicator (`armed`); the transport is then `broken`.
+    - shm / ipc (`shared`): see their `peer_harm`.
     A new plane must state the same for itself (`peer_harm`, required by `register`).
 
     `Transport(cfg, rank, device)` opens the plane `cfg.backend` names, like `open_transport`.
@@ -121,6 +122,10 @@ class Transport(abc.ABC):
     then caught instead of aborting the process); 0: it posts exactly `length` bytes."""
     peer_harm: ClassVar[str]
     """What a peer (a hostile or dying sender or receiver) can do to this process."""
+    shares_buffers: ClassVar[bool] = False
+    """True (same-host planes, `shared`): the sender's two bucket buffers are mapped by every
+    receiver (`shared_buffers()`); the sender packs every bucket into them, receivers load from
+    them and hand each back with `release(i)` once their reads of it are done."""
 
     def __new__(cls, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> Self:
         return super().__new__(plane(cfg.backend) if cls is Transport else cls)

@@ -42,8 +42,11 @@ class BucketLane:
                  timeout_s: float, digest: Callable[[Digest], None]) -> None:
         self.transport = transport
         self.device = transport.device
-        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(2)]
+        self.shared = transport.shares_buffers
+        """The plane's buffers are what receivers read (same host): every bucket is packed."""
+        self.buffers = (transport.shared_buffers() if self.shared else
+                        [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
+                         for _ in range(2)])
         self.check = check
         self.timeout_s = timeout_s
         self._digest = digest
@@ -81,10 +84,12 @@ class BucketLane:
 
     def wire(self, slots: Sequence[Slot], sources: Sequence[torch.Tensor]) -> torch.Tensor:
         """The next bucket's wire bytes: the tensor's own memory when its only moving slot is one
-        tensor's bytes on this device, else packed into the next buffer."""
+        tensor's bytes on this device (and the plane does not share its buffers), else packed
+        into the next buffer."""
         buf = self.next_buffer()
         moving = [(s, t) for s, t in zip(slots, sources, strict=True) if s.nbytes]
-        if len(moving) == 1 and moving[0][0].offset == 0 and moving[0][1].device == self.device:
+        if (len(moving) == 1 and moving[0][0].offset == 0 and moving[0][1].device == self.device
+                and not self.shared):
             slot, src = moving[0]  # zero copy: the collective reads the tensor's own memory
             return as_bytes(src)[slot.start : slot.start + slot.nbytes]
         return pack(Bucket(list(slots), list(sources)), buf)

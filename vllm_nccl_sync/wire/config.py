@@ -9,8 +9,11 @@ from typing import Any
 
 from vllm_nccl_sync.wire.packing import ALIGN
 
-BACKENDS = ("gloo", "nccl")
-"""Data planes both ends may name (`vllm_nccl_sync/planes/<name>.py` each)."""
+BACKENDS = ("gloo", "nccl", "shm", "ipc")
+"""Data planes both ends may name (`vllm_nccl_sync/planes/<name>.py` each): `gloo` (CPU, any
+host), `nccl` (GPUs, any host), `shm` (CPU, one host), `ipc` (one GPU shared, CUDA IPC)."""
+SAME_HOST = ("shm", "ipc")
+"""Planes whose buffers are the sender's memory mapped by every receiver: one sender only."""
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """512 MiB: on 2x H200 (NVLink) end-to-end updates of 8-16 GB models then run at 0.88-0.91 of a raw
@@ -30,7 +33,8 @@ class SyncConfig:
     world_size: int
     """The senders (1, or M with `senders`) + every receiving worker of every engine."""
     backend: str = "gloo"
-    """Data plane: `gloo` (CPU) or `nccl` (GPU)."""
+    """Data plane: `gloo` (CPU), `nccl` (GPU), `shm` (CPU, trainer and engines on one host) or
+    `ipc` (trainer and engine sharing one GPU)."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Capacity of one bucket; each side holds two buffers of it."""
     timeout_s: float = 120.0
@@ -50,6 +54,9 @@ class SyncConfig:
         object.__setattr__(self, "senders", tuple((str(h), int(p)) for h, p in self.senders))
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
+        if self.backend in SAME_HOST and self.senders:
+            raise ValueError(f"the {self.backend} plane takes one sender (its buffers are the "
+                             "sender's memory); several senders need gloo or nccl")
         if self.world_size < self.num_senders + 1:
             raise ValueError(f"world_size {self.world_size} must be >= {self.num_senders + 1} "
                              f"({self.num_senders} sender(s) and a receiver)")

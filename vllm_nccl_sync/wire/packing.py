@@ -106,8 +106,11 @@ pack copy costs more than the few tens of microseconds of one more message)."""
 def alone_bytes(capacity: int, backend: str) -> int:
     """The size from which a tensor gets buckets of its own (sent from its memory, no pack):
     half a bucket on NCCL, where a pack is a fast on-device copy beside the link and each
-    collective has a fixed cost; at most `GLOO_ALONE_BYTES` on gloo."""
+    collective has a fixed cost; at most `GLOO_ALONE_BYTES` on gloo; a whole bucket on the
+    same-host planes, whose sender packs every byte into the shared buffers anyway."""
     half = capacity // 2
+    if backend in ("shm", "ipc"):
+        return capacity
     return min(half, GLOO_ALONE_BYTES) if backend == "gloo" else half
 
 

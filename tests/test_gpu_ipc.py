@@ -1,0 +1,227 @@
+"""GPU, one device: the CUDA IPC plane between two real processes sharing the GPU.
+
+The trainer process pushes with `PushClient(backend="ipc")` (its allocator set to expandable
+segments, as training runs often are); the receiver process holds CUDA tensors and loads into
+them in place, from the trainer's exported buffers. The receiver's loads are slowed down on the
+device (a spin kernel before each bucket's copies), so a sender that refilled a buffer before
+the copies out of it had *executed* would corrupt the result, and a receiver that read a buffer
+before the sender's pack into it executed would fail the checksum: bit-exactness shows neither
+happens. Faults: a trainer killed between buckets, a receiver killed mid-update,
+a handle claiming more memory than its allocation.
+
+Run: `python -m pytest -q -m gpu tests/test_gpu_ipc.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+from tests.procs import run_procs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DEADLINE = 240
+BUCKET = 1 << 20
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(1500, 1024, generator=g).to(torch.bfloat16),  # 3 buckets
+        "layers.0.qkv.weight": torch.randn(384, 256, generator=g).to(torch.float16),
+        "layers.0.norm.weight": torch.randn(257, generator=g),
+        "layers.0.steps": torch.randint(0, 2**40, (3,), generator=g),
+        "layers.1.mlp.weight": torch.randn(700, 512, generator=g).to(torch.bfloat16),
+        "head.bias": torch.randn(7, generator=g).double(),
+    }
+
+
+def digests(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                              .numpy().tobytes()).hexdigest() for n, t in named.items()}
+
+
+def _cfg(**kw) -> dict:
+    return dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="ipc",
+                bucket_bytes=BUCKET, timeout_s=30.0, **kw)
+
+
+def trainer(cfg: dict, seeds: list[int], staged: bool = False, die_at: int = -1) -> list[dict]:
+    """Pushes each seed's tensors from the GPU; `die_at`: SIGKILL itself while posting that
+    bucket of the first update."""
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import faulthandler
+
+    faulthandler.dump_traceback_later(DEADLINE - 30)  # where it waits, should the test hang
+    from vllm_nccl_sync import PushClient, SyncConfig
+    from vllm_nccl_sync.planes.base import Transport
+
+    if die_at >= 0:
+        real, count = Transport.broadcast, {"n": 0}
+
+        def broadcast(self, tensor, src=0, **kw):
+            if count["n"] == die_at:
+                torch.cuda.synchronize()
+                os.kill(os.getpid(), signal.SIGKILL)
+            count["n"] += 1
+            return real(self, tensor, src, **kw)
+
+        Transport.broadcast = broadcast
+    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
+    client.connect()
+    out = []
+    for seed in seeds:
+        named = {n: t.cuda() for n, t in tensors(seed).items()}
+        try:
+            r = client.push(named.items(), version=seed, staged=staged)
+            out.append({"ok": True, "acks": [a.rank for a in r.acks]})
+        except Exception as e:  # noqa: BLE001
+            out.append({"ok": False, "error": str(e)})
+        for t in named.values():  # the trainer moves on at once: the engine must be done
+            t.zero_()
+    client.close()
+    return out
+
+
+class SlowLoader:
+    """Copies into CUDA tensors in place, each bucket's copies behind a device-side spin."""
+
+    def __init__(self, targets: dict[str, torch.Tensor], spin: int) -> None:
+        self.targets, self.spin = targets, spin
+
+    def begin(self) -> None:
+        pass
+
+    def load(self, named):
+        if self.spin:
+            torch.cuda._sleep(self.spin)
+        for n, t in named:
+            self.targets[n].copy_(t, non_blocking=True)
+        return {n for n, _ in named}
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def receiver(cfg: dict, updates: int, spin: int = 20_000_000, rejoin: dict | None = None) -> dict:
+    from vllm_nccl_sync import SyncConfig
+    from vllm_nccl_sync.engine.receiver import Receiver
+
+    torch.cuda.set_device(0)
+    targets = {n: torch.zeros_like(t, device="cuda") for n, t in tensors(0).items()}
+    ptrs = {n: t.data_ptr() for n, t in targets.items()}
+    rx = Receiver(SyncConfig(**cfg), 1, device=torch.device("cuda", 0))
+    out = []
+    for _ in range(updates):
+        s = rx.receive(SlowLoader(targets, spin), timeout_s=60)
+        torch.cuda.synchronize()
+        out.append({"summary": s, "digests": digests(targets)})
+    rx.close()
+    if rejoin is not None:  # a new trainer, a new group
+        rx = Receiver(SyncConfig(**rejoin), 1, device=torch.device("cuda", 0))
+        s = rx.receive(SlowLoader(targets, spin), timeout_s=60)
+        torch.cuda.synchronize()
+        out.append({"summary": s, "digests": digests(targets)})
+        rx.close()
+    return {"updates": out, "in_place": ptrs == {n: t.data_ptr() for n, t in targets.items()}}
+
+
+def test_ipc_push_is_bit_exact_in_place_and_reuse_waits_for_the_engines_copies():
+    cfg, seeds = _cfg(), [1, 2, 3]
+    sent, got = run_procs([(trainer, (cfg, seeds)), (receiver, (cfg, len(seeds)))], DEADLINE)
+    assert all(s["ok"] and s["acks"] == [1] for s in sent), sent
+    for seed, upd in zip(seeds, got["updates"], strict=True):
+        assert upd["summary"]["ok"] and upd["summary"]["version"] == seed, upd["summary"]
+        assert upd["summary"]["buckets"] >= 5  # the embedding spans buckets
+        assert upd["digests"] == digests(tensors(seed))
+    assert got["in_place"]
+
+
+def test_a_trainer_killed_between_buckets_leaves_a_staged_engine_intact_then_a_new_one_updates():
+    cfg, again = _cfg(), _cfg()
+    _, got, sent = run_procs([(trainer, (cfg, [1], True, 2)),
+                              (receiver, (cfg, 1, 0, again)),
+                              (trainer, (again, [2], True))], DEADLINE, allow_killed={0})
+    first, healed = got["updates"]
+    why = first["summary"]["error"]
+    assert not first["summary"]["ok"] and ("sender exited" in why or "trainer went away" in why)
+    assert first["summary"]["version"] == -1 and first["digests"] == digests(
+        {n: torch.zeros_like(t) for n, t in tensors(0).items()})  # nothing loaded
+    assert sent == [{"ok": True, "acks": [1]}]
+    assert healed["summary"]["ok"] and healed["digests"] == digests(tensors(2))
+
+
+def dying_receiver(cfg: dict) -> None:
+    from vllm_nccl_sync import SyncConfig
+    from vllm_nccl_sync.engine import dataplane
+    from vllm_nccl_sync.engine.receiver import Receiver
+
+    torch.cuda.set_device(0)
+    targets = {n: torch.zeros_like(t, device="cuda") for n, t in tensors(0).items()}
+
+    def die(self, seq):
+        if seq == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    dataplane.ReceivePlane.loaded = die
+    rx = Receiver(SyncConfig(**cfg), 1, device=torch.device("cuda", 0))
+    rx.receive(SlowLoader(targets, 0), timeout_s=60)
+
+
+def test_a_receiver_killed_mid_update_is_reported_by_the_trainer_well_within_the_timeout():
+    cfg = _cfg()
+    cfg["timeout_s"] = 600.0  # the report comes from the dead process, not the clock
+    sent, _ = run_procs([(trainer, (cfg, [1])), (dying_receiver, (cfg,))], DEADLINE,
+                        allow_killed={1})
+    assert not sent[0]["ok"] and "rank 1" in sent[0]["error"], sent
+
+
+def forging_receiver(cfg: dict) -> str:
+    import msgspec
+
+    from vllm_nccl_sync import SyncConfig
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.planes import ipc
+
+    real = ipc.IpcTransport._open
+
+    def forged(self, handle, nbytes, keep):
+        info = msgspec.msgpack.decode(handle, type=ipc.IpcBuffers)
+        bigger = msgspec.structs.replace(info, storage_bytes=info.storage_bytes * 4)
+        return real(self, msgspec.msgpack.encode(bigger), nbytes, keep)
+
+    ipc.IpcTransport._open = forged
+    torch.cuda.set_device(0)
+    try:
+        Receiver(SyncConfig(**cfg), 1, device=torch.device("cuda", 0))
+    except ValueError as e:
+        return str(e)
+    return "joined"
+
+
+def joining_trainer(cfg: dict) -> str:
+    from vllm_nccl_sync import PushClient, SyncConfig
+
+    try:
+        PushClient(SyncConfig(**cfg), torch.device("cuda", 0)).connect()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+    return "connected"
+
+
+def test_a_handle_claiming_more_than_its_allocation_is_refused_before_use():
+    cfg = _cfg()
+    cfg["timeout_s"] = 10.0
+    sent, why = run_procs([(joining_trainer, (cfg,)), (forging_receiver, (cfg,))], DEADLINE)
+    assert "its allocation maps" in why and sent != "connected"
