@@ -1,0 +1,149 @@
+"""The shm plane against gloo on one host, no vLLM: a trainer process pushes a synthetic model to a
+receiver process, which copies it into tensors of its own (`ModuleLoader`), in one run:
+
+  memcpy     one host copy of a contiguous buffer of the payload's size (the floor)
+  raw_gloo   one gloo broadcast of that buffer between the two processes
+  push_gloo  `PushClient(backend="gloo")` -> `Receiver` (checksums, commit round: everything)
+  push_shm   the same over `backend="shm"`
+
+Pushes alternate by repetition (drift hits both); median after a warm-up; every received
+tensor checked bit for bit after the last push of each plane.
+
+    python benchmarks/shm_plane.py --size-mib 256 --bucket-mib 64 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+from tests.conftest import free_port  # noqa: E402
+from tests.procs import run_procs  # noqa: E402
+from vllm_nccl_sync.bench import _Params, synthetic_tensors  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _cfg(backend: str, bucket: int) -> dict:
+    return dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=backend,
+                bucket_bytes=bucket, timeout_s=120.0)
+
+
+def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
+    """memcpy and raw gloo, then the pushes of every plane, alternating."""
+    from vllm_nccl_sync import PushClient, SyncConfig
+    from vllm_nccl_sync.planes.base import Transport
+    from vllm_nccl_sync.verify import digest
+
+    torch.set_num_threads(1)
+    tensors = synthetic_tensors(size, seed=1, device=torch.device("cpu"))
+    payload = sum(t.nbytes for t in tensors.values())
+    src, dst = torch.empty(payload, dtype=torch.uint8).random_(0, 256), torch.empty(payload,
+                                                                                   dtype=torch.uint8)
+    out: dict[str, list[float]] = {"memcpy": [], "raw_gloo": []}
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out["memcpy"].append(time.perf_counter() - t0)
+    raw = Transport(SyncConfig(**raw_cfg), 0)
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        raw.broadcast(src).wait()
+        raw.broadcast(torch.ones(1, dtype=torch.uint8), src=1).wait()  # "all in place"
+        out["raw_gloo"].append(time.perf_counter() - t0)
+    raw.close()
+    clients = {}
+    for name, cfg in cfgs.items():
+        clients[name] = PushClient(SyncConfig(**cfg))
+        clients[name].connect()
+        out[f"push_{name}"] = []
+    for rep in range(reps + 1):
+        for name, client in clients.items():
+            t0 = time.perf_counter()
+            client.push(tensors, version=rep + 1)
+            out[f"push_{name}"].append(time.perf_counter() - t0)
+    for client in clients.values():
+        client.close()
+    return {"times": {k: v[1:] for k, v in out.items()}, "payload": payload,
+            "digests": {n: digest(t) for n, t in tensors.items()}}
+
+
+def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
+    """Joins every group; receives each push into tensors of its own."""
+    from vllm_nccl_sync import SyncConfig
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.planes.base import Transport
+    from vllm_nccl_sync.verify import digest
+
+    torch.set_num_threads(1)
+    tensors = {n: torch.zeros_like(t) for n, t in
+               synthetic_tensors(size, seed=1, device=torch.device("cpu")).items()}
+    payload = sum(t.nbytes for t in tensors.values())
+    buf = torch.empty(payload + 8, dtype=torch.uint8)
+    raw = Transport(SyncConfig(**raw_cfg), 1)
+    for _ in range(reps + 1):
+        raw.broadcast(buf, length=payload).wait()
+        raw.broadcast(torch.ones(1, dtype=torch.uint8), src=1).wait()
+    raw.close()
+    rxs: dict[str, Receiver] = {}
+    joins = [threading.Thread(target=lambda n=n, c=c: rxs.__setitem__(n, Receiver(SyncConfig(**c), 1)))
+             for n, c in cfgs.items()]
+    for j in joins:  # the trainer joins them one after the other
+        j.start()
+    for j in joins:
+        j.join(300)
+    got = {}
+    for _ in range(reps + 1):
+        for name in cfgs:
+            s = rxs[name].receive(ModuleLoader(_Params(tensors)), timeout_s=300)
+            if not s["ok"]:
+                raise RuntimeError(f"{name}: {s['error']}")
+            got[name] = {n: digest(t) for n, t in tensors.items()}
+            for t in tensors.values():
+                t.zero_()
+    for rx in rxs.values():
+        rx.close()
+    return {"digests": got}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mib", type=float, default=256)
+    ap.add_argument("--bucket-mib", type=float, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    size, bucket = int(args.size_mib * MiB), int(args.bucket_mib * MiB) // 256 * 256
+    cfgs = {name: _cfg(name, bucket) for name in ("gloo", "shm")}
+    raw_cfg = _cfg("gloo", bucket)
+    tr, rx = run_procs([(trainer, (cfgs, raw_cfg, size, args.reps)),
+                        (receiver, (cfgs, raw_cfg, size, args.reps))], 1800)
+    med = {k: statistics.median(v) for k, v in tr["times"].items()}
+    report = {"payload_bytes": tr["payload"], "bucket_bytes": bucket, "reps": args.reps,
+              "median_s": med, "times_s": tr["times"],
+              "gbps": {k: tr["payload"] / v / 1e9 for k, v in med.items()},
+              "of_raw_gloo": {k: med["raw_gloo"] / v for k, v in med.items()},
+              "of_memcpy": {k: med["memcpy"] / v for k, v in med.items()},
+              "bit_exact": {n: d == tr["digests"] for n, d in rx["digests"].items()}}
+    for k in med:
+        print(f"{k:10s} {med[k] * 1e3:9.1f} ms  {report['gbps'][k]:6.2f} GB/s  "
+              f"{report['of_raw_gloo'][k]:5.2f} of raw gloo  {report['of_memcpy'][k]:5.3f} of memcpy")
+    print("bit-exact:", report["bit_exact"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if not all(report["bit_exact"].values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
