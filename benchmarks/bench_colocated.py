@@ -52,7 +52,6 @@ vLLM's default 1 GiB buffer cannot hold the 1.09 GB embedding, and the refusal c
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -635,13 +634,7 @@ def main() -> None:
         trainer(args)
         os._exit(0)
     report = driver(args)
-    print(report["table"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(report["table"] + "\n")
+    bvg.write_report(report, args.json, args.md)
     bad = [r["method"] for r in report["rows"] if r.get("exact") is False]
     failed = [r["method"] for r in report["rows"] if "error" in r and r["method"] != LAST]
     if bad:

@@ -735,6 +735,17 @@ def driver(args) -> dict:
             proc.kill()
 
 
+def write_report(report: dict, json_path: str, md_path: str) -> None:
+    """Print the report's table; write the report as JSON and its table as markdown where asked."""
+    print(report["table"], flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(report["table"] + "\n")
+
+
 def use_smoke_dims() -> None:
     """`--cpu-smoke`: the tiny dims, and vLLM CPU's KV cache and thread binding for a small host."""
     DIMS.update(SMOKE_DIMS)
@@ -780,13 +791,7 @@ def main() -> None:
         trainer(args)
         os._exit(0)
     report = driver(args)
-    print(report["table"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(report["table"] + "\n")
+    write_report(report, args.json, args.md)
     bad = [f"{r['method']}@{size_text(r['bucket'])}" for r in report["rows"]
            if r.get("exact") is False]
     if bad:

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import free_port
 from tests.procs import run_procs
 from tests.test_gloo_multiproc import DigestLoader, digest, model_tensors
+from tests.test_planes import _pair
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.outcomes import PeerFailed
@@ -28,17 +29,6 @@ def _cfg(**kw) -> SyncConfig:
     base = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
                 bucket_bytes=4096, timeout_s=20.0)
     return SyncConfig(**{**base, **kw})
-
-
-def _pair(cfg: SyncConfig) -> tuple[Transport, Transport]:
-    box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault(0, Transport(cfg, 0)))
-    th.start()
-    try:
-        box[1] = Transport(cfg, 1)
-    finally:
-        th.join(60)
-    return box[0], box[1]
 
 
 def test_the_shared_planes_state_their_policies_and_take_one_sender():
