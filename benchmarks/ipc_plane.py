@@ -62,30 +62,10 @@ def trainer(cfg: dict, reps: int, check: bool) -> dict:
     return {"nbytes": nbytes, "floor_s": sorted(fl), "push_s": ts, "sums": sums}
 
 
-class Copies:
-    """Copies each tensor into the receiver's own CUDA tensor of that name, in place."""
-
-    def __init__(self, targets: dict[str, torch.Tensor]) -> None:
-        self.targets = targets
-
-    def begin(self) -> None:
-        pass
-
-    def load(self, named: list[tuple[str, torch.Tensor]]) -> set[str]:
-        for n, t in named:
-            self.targets[n].copy_(t, non_blocking=True)
-        return {n for n, _ in named}
-
-    def finish(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
 def receiver(cfg: dict, reps: int, check: bool) -> dict:
     """`reps` updates into tensors of its own; the same sums."""
     from vllm_nccl_sync import SyncConfig
+    from tests.test_gpu_ipc import SlowLoader  # with no spin: plain in-place copies
     from vllm_nccl_sync.engine.receiver import Receiver
     torch.cuda.set_device(0)
     targets = {n: torch.zeros(s, device="cuda", dtype=torch.bfloat16) for n, s in shapes().items()}
@@ -93,7 +73,7 @@ def receiver(cfg: dict, reps: int, check: bool) -> dict:
                   require_checksums=cfg.get("bucket_checksums") is not False)
     out = []
     for _ in range(reps):
-        s = rx.receive(Copies(targets), timeout_s=120); out.append(True if s["ok"] else s.get("error"))
+        s = rx.receive(SlowLoader(targets, spin=0), timeout_s=120); out.append(True if s["ok"] else s.get("error"))
     torch.cuda.synchronize()
     sums = {n: int(t.view(torch.int16).to(torch.int64).sum()) for n, t in targets.items()} if check else {}
     rx.close()

@@ -164,9 +164,7 @@ class ReceivePlane:
         """Wait for every collective still posted (after a clean abort each completes; else
         barely wait); returns why the group can no longer be trusted ("" if it still can). A
         shared plane's buffers all go back to the sender."""
-        if self.shared:
-            return self._drain_shared(posted)
-        if self.cuda:
+        if self.cuda and not self.shared:
             with torch.cuda.stream(self._load):
                 for w, _ in posted.values():
                     w.wait()
@@ -176,22 +174,14 @@ class ReceivePlane:
                 return clip(str(err))
             return ""
         why = ""
-        for w, _ in posted.values():  # bounded by the group's own timeout
+        for w, _ in posted.values():  # bounded by the group's own timeout (or the plane's)
             try:
                 w.wait()
             except RuntimeError as err:
                 why = why or clip(str(err))
-        return why
-
-    def _drain_shared(self, posted: dict[int, Any]) -> str:
-        why = ""
-        with self.loading():
-            for w, _ in posted.values():
-                try:
-                    w.wait()
-                except RuntimeError as err:
-                    why = why or clip(str(err))
-            self.transports[0].release_all()
+        if self.shared:
+            with self.loading():  # CUDA: after the loads already queued
+                self.transports[0].release_all()
         return why
 
     def close(self) -> None:

@@ -146,7 +146,7 @@ class _Posted:
         return True
 
 
-class SharedTransport(Transport, abc.ABC):
+class SharedTransport(Transport):
     """A same-host plane: shared bucket buffers and a control block (see the module)."""
 
     shares_buffers: ClassVar[bool] = True
