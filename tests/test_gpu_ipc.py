@@ -170,9 +170,12 @@ def dying_receiver(cfg: dict) -> None:
     torch.cuda.set_device(0)
     targets = {n: torch.zeros_like(t, device="cuda") for n, t in tensors(0).items()}
 
-    def die(self, seq):
+    real = dataplane.ReceivePlane.loaded
+
+    def die(self, seq):  # bucket 0 given back, so the sender reaches bucket 2; bucket 1 held
         if seq == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        real(self, seq)
 
     dataplane.ReceivePlane.loaded = die
     rx = Receiver(SyncConfig(**cfg), 1, device=torch.device("cuda", 0))
@@ -198,7 +201,9 @@ def forging_receiver(cfg: dict) -> str:
 
     def forged(self, handle, nbytes, keep):
         info = msgspec.msgpack.decode(handle, type=ipc.IpcBuffers)
-        bigger = msgspec.structs.replace(info, storage_bytes=info.storage_bytes * 4)
+        # past the driver's allocation (the caching allocator's segment may hold more than
+        # the export: a claim inside it maps, one beyond it must be refused)
+        bigger = msgspec.structs.replace(info, storage_bytes=info.storage_bytes + (1 << 30))
         return real(self, msgspec.msgpack.encode(bigger), nbytes, keep)
 
     ipc.IpcTransport._open = forged

@@ -204,15 +204,18 @@ def test_a_garbled_shared_buffer_is_never_loaded_and_the_next_update_heals():
 
 
 def _dying_receiver(cfg: dict) -> None:
-    """Joins, then dies (SIGKILL) once bucket 1 of the first update arrived, without having
-    given back bucket 0's buffer."""
+    """Joins, then dies (SIGKILL) once bucket 1 of the first update arrived, holding its
+    buffer."""
     import signal
 
     from vllm_nccl_sync.engine import dataplane
 
-    def die(self, seq):
+    real = dataplane.ReceivePlane.loaded
+
+    def die(self, seq):  # bucket 0 given back, so the sender can go on; bucket 1 held
         if seq == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        real(self, seq)
 
     dataplane.ReceivePlane.loaded = die
     Receiver(SyncConfig(**cfg), 1).receive(DigestLoader(), timeout_s=60)

@@ -63,9 +63,12 @@ class CommitRound:
                 loader.load(u.staged_tensors)
                 u.staged_tensors = []
                 loader.finish()
+            if u.beside is not None:
+                u.beside.mark("loaded")  # the loaders and the post-load rule returned
             self.plane.settle(self.timeout_s)
             if u.beside is not None:
                 u.beside.shadow.settle()
+                u.beside.mark("settled")  # every copy they queued ran
         except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
             u.failed = f"rank {self.rank} failed loading the staged update: {clip(repr(e))}"
             log.exception("loading the staged update failed")
