@@ -4,7 +4,9 @@ Loading goes through vLLM's own `model.load_weights`, so TP sharding and qkv/gat
 vLLM's. Three ways, chosen per model (`mode="auto"`):
 
 * plain (GPU, unquantized): an in-place `copy_` into the existing parameters; CUDA graphs stay valid
-  and nothing extra is allocated.
+  and nothing extra is allocated. What `load_weights` copied where is recorded on the first update
+  and replayed as plain copies after (`engine.copyplan`; off, with the reason, for a loader that
+  computes).
 * layerwise (quantized linears, e.g. `quantization="fp8"` online): the parameters hold kernel-format
   tensors (FP8, transposed, with scales), so checkpoint-format tensors go through vLLM's layerwise
   reload, which re-quantizes each layer once it is whole and copies the result into the original
@@ -27,6 +29,8 @@ import logging
 from typing import Any
 
 import torch
+
+from vllm_nccl_sync.engine.copyplan import CopyPlan
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,8 @@ class VllmWeightLoader:
         self.loaded: set[str] = set()
         self.stats: dict[str, int] = {}
         self._rows: dict[str, tuple[str, torch.Tensor, int, int] | None] = {}  # see _row_target
+        self._plan = CopyPlan()  # load_weights' copies, replayed (engine.copyplan)
+        self._replay = False  # this update may replay them (plain loading: no layerwise)
         self._by_rows = 0  # tensors of this update loaded row by row
         if why := drafter_problem(self.vllm_config):
             raise ValueError(f"this engine cannot be updated in place: {why}")
@@ -185,6 +191,12 @@ class VllmWeightLoader:
             lw.begin(self.model, self._lw_layers)
             self._lw_active = True
             self._retained_peak = 0
+        self._replay = not lw and not self._fp8_blocks
+        if self._replay:
+            self._plan.replayed = 0
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            params.update(self.model.named_buffers(remove_duplicate=False))
+            self._plan.refresh(params)
 
     @torch.no_grad()
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
@@ -204,7 +216,10 @@ class VllmWeightLoader:
             from vllm_nccl_sync.patches.vllm_block_fp8 import expand
 
             batch = expand(batch, self._fp8_blocks)
-        done = set(self.model.load_weights(iter(batch)) or ())
+        if self._replay:
+            done = self._plan.load(batch, self.model.load_weights)
+        else:
+            done = set(self.model.load_weights(iter(batch)) or ())
         self.loaded |= done
         if self._lw_active:  # incomplete layers must not keep views of the caller's buffer
             held = self._lw.retain_pending(self.model)
@@ -300,6 +315,8 @@ class VllmWeightLoader:
         counts["experts_relaid"] = post.refresh_experts(self.model, _outside(self.loaded, partial))
         counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded)
         counts["loaded_by_rows"] = self._by_rows
+        if self._replay:
+            counts["replayed"] = self._plan.replayed
         self.stats = counts
         if partial:
             raise ValueError(f"{len(partial)} layer(s) got only part of their weights and keep "

@@ -1,0 +1,122 @@
+"""`engine.copyplan`: a loader's copies recorded once, replayed as plain copies after, bit for
+bit what the loader writes; any loader that computes, or writes outside the parameters, turns
+replay off with the reason. Real vLLM engines replay in `tests/test_vllm_engine.py`."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_nccl_sync.engine.copyplan import CopyPlan
+
+
+class Toy(torch.nn.Module):
+    """Loaders in the shapes vLLM's take: stacked shards (q, k, v into one qkv), a transposed
+    copy, a padded embedding whose padding is filled, an integer buffer, and a tensor skipped."""
+
+    def __init__(self, computed: bool = False, outside: bool = False) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4))
+        self.proj = torch.nn.Parameter(torch.zeros(4, 6))
+        self.embed = torch.nn.Parameter(torch.full((10, 4), 7.0))
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+        self.side = torch.zeros(4)  # not a parameter or buffer
+        self.computed, self.outside = computed, outside
+        self.calls = 0
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        done = set()
+        for name, w in weights:
+            self.calls += 1
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, 4 * "qkv".index(name), 4).copy_(w)
+                done.add("qkv")
+            elif name == "proj_t":
+                self.proj.data.copy_(w.t() * 2 if self.computed else w.t())
+                done.add("proj")
+            elif name == "embed":
+                self.embed.data[: w.shape[0]].copy_(w)
+                self.embed.data[w.shape[0]:].fill_(0)
+                if self.outside:
+                    self.side.copy_(w[0])
+                done.add("embed")
+            elif name == "steps":
+                self.steps.copy_(w)
+                done.add("steps")
+        return done
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    arena = torch.empty(1000)  # one arena, as the shadow holds them: views at offsets
+    out, at = [], 0
+    for name, shape in [("q", (4, 4)), ("k", (4, 4)), ("v", (4, 4)), ("proj_t", (6, 4)),
+                        ("embed", (8, 4)), ("rotary.inv_freq", (2,))]:
+        n = torch.Size(shape).numel()
+        t = arena[at:at + n].view(shape)
+        t.copy_(torch.randn(shape, generator=g))
+        out.append((name, t))
+        at += n + 3
+    out.append(("steps", torch.randint(0, 2**40, (3,), generator=g)))
+    return out
+
+
+def state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(m.named_parameters()), **dict(m.named_buffers())}
+
+
+def update(plan: CopyPlan, m: Toy, seed: int) -> set[str]:
+    plan.refresh(params(m))
+    return plan.load(weights(seed), m.load_weights)
+
+
+def test_replayed_loads_equal_the_loaders_own_and_skip_it():
+    m, ref, plan = Toy(), Toy(), CopyPlan()
+    assert update(plan, m, 1) == {"qkv", "proj", "embed", "steps"}
+    assert m.calls == 7 and plan.replayed == 0 and not plan.off
+    ptrs = {n: p.data_ptr() for n, p in params(m).items()}
+    for seed in (2, 3):
+        m.embed.data.fill_(5)  # the padding must be written again
+        assert update(plan, m, seed) == {"qkv", "proj", "embed", "steps"}
+        ref.load_weights(weights(seed))
+        assert m.calls == 7  # replayed: the loader did not run again
+        for name, want in state(ref).items():
+            assert torch.equal(state(m)[name], want), name
+    assert plan.replayed == 14
+    assert ptrs == {n: p.data_ptr() for n, p in params(m).items()}  # in place
+
+
+def test_a_loader_that_computes_turns_replay_off_and_still_loads():
+    m, ref, plan = Toy(computed=True), Toy(computed=True), CopyPlan()
+    update(plan, m, 1)
+    assert "proj" in plan.off and "another tensor than the one loaded" in plan.off
+    update(plan, m, 2)
+    ref.load_weights(weights(2))
+    assert m.calls == 14 and plan.replayed == 0
+    assert all(torch.equal(state(m)[n], v) for n, v in state(ref).items())
+
+
+def test_a_write_outside_the_parameters_turns_replay_off():
+    m, plan = Toy(outside=True), CopyPlan()
+    update(plan, m, 1)
+    assert "not a parameter" in plan.off and "'embed'" in plan.off
+    update(plan, m, 2)
+    assert m.calls == 14 and torch.equal(m.side, dict(weights(2))["embed"][0])
+
+
+def test_a_replaced_parameter_or_another_shape_is_loaded_again():
+    m, plan = Toy(), CopyPlan()
+    update(plan, m, 1)
+    m.proj = torch.nn.Parameter(torch.zeros(4, 6))  # e.g. a layer re-created for loading
+    update(plan, m, 2)
+    assert m.calls == 8 and torch.equal(m.proj, dict(weights(2))["proj_t"].t())
+    m.calls = 0
+    batch = [(n, t) for n, t in weights(3) if n != "embed"] + [("embed", torch.ones(6, 4))]
+    plan.refresh(params(m))
+    plan.load(batch, m.load_weights)  # embed's shape differs from the recorded one
+    assert m.calls == 1 and torch.equal(m.embed, torch.cat([torch.ones(6, 4), torch.zeros(4, 4)]))
+    assert plan.replayed == 6 + 6  # update 2: all but proj; update 3: all but embed
