@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.session_engine import SessionEngine, driven, same
 from vllm_nccl_sync import PushError, UpdateRefused, WeightSync
 from vllm_nccl_sync.engine.loaders import ModuleLoader
-from vllm_nccl_sync.engine.session import EngineSession, Placement
+from vllm_nccl_sync.engine.session import Placement
 from vllm_nccl_sync.engine.shadow import Shadow
-from vllm_nccl_sync.wire.config import SyncConfig
 
 TIMEOUT = 20.0  # a bound on every wait, never a speed requirement
 
@@ -45,38 +45,16 @@ class Loader(ModuleLoader):
         self.targets = {n.replace("_", ".", 1): t for n, t in self.targets.items()}
 
 
-class LocalEngine:
-    """An in-process engine of one worker: the extension's calls mapped onto an `EngineSession`.
-    `pause` records what the worker reported and held when it was called."""
-
-    workers = 1
+class LocalEngine(SessionEngine):
+    """An in-process engine of one worker. `pause` records what the worker reported and held
+    when it was called."""
 
     def __init__(self) -> None:
-        self.model = make_model()
-        self.session = EngineSession(lambda: self.model, lambda: (0, 1))
+        super().__init__(make_model(), Loader)
         self.events: list[tuple[str, Any]] = []
 
     def held(self) -> dict[str, torch.Tensor]:
         return {n.replace("_", ".", 1): p.detach().clone() for n, p in self.model.named_parameters()}
-
-    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        s = self.session
-        if method == "nccl_sync_join":
-            cfg, offset = args
-            s.join(SyncConfig.from_dict(cfg), Placement(offset), lambda: Loader(self.model))
-            return [{"rank": offset}]
-        if method == "nccl_sync_receive":
-            return [s.receive(*args).to_dict()]
-        if method == "nccl_sync_receive_beside":
-            return [s.receive_beside(*args).to_dict()]
-        if method == "nccl_sync_swap":
-            return [s.swap(*args).to_dict()]
-        if method == "nccl_sync_state":
-            return [s.report()]
-        if method == "nccl_sync_close":
-            s.close()
-            return [None]
-        raise ValueError(method)
 
     def pause(self, mode: str) -> None:
         self.events.append(("pause", (mode, self.session.report()["beside"], self.held())))
@@ -88,14 +66,8 @@ class LocalEngine:
 @pytest.fixture
 def engine():
     e = LocalEngine()
-    sync = WeightSync([e], backend="gloo", bucket_bytes=8192, timeout_s=TIMEOUT)
-    sync.connect()
-    yield e, sync
-    sync.close()
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    with driven(e, TIMEOUT) as sync:
+        yield e, sync
 
 
 def test_the_weights_change_only_at_the_swap_after_everything_verified(engine):

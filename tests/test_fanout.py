@@ -1,7 +1,8 @@
 """Fan-out: one push, one broadcast per bucket, several receivers.
 
 Two engines (replicas) updated at once through one transfer group, and an engine with tensor
-parallelism 2 whose two workers each receive full tensors and keep their own shard.
+parallelism 2 whose two workers each receive full tensors and keep their own shard (over gloo,
+then over the shared-memory plane, both workers reading the one trainer segment).
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def test_tensor_parallel_2_engine(tmp_path, monkeypatch):
         # Each worker holds its shard, not the full tensor: vLLM's loaders did the sharding.
         shapes = llm.collective_rpc(_qkv_rows)
         assert shapes[0] == shapes[1] and shapes[0] * 2 == _qkv_rows_full(model)
+        # Colocated on this host: both workers map the trainer's shared memory and take their
+        # shards from it (the CPU twin of a TP engine reading the trainer's GPU memory).
+        sync.close()
+        sync = WeightSync([LLMHandle(llm)], backend="shm", timeout_s=60)
+        sync.connect()
+        model = build_model("qwen2", seed=7)
+        result = sync.update(model.state_dict(), version=7)
+        assert sorted(a.rank for a in result.acks) == [1, 2]
+        assert _generate(llm) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+        assert llm.collective_rpc("nccl_sync_param_ptrs") == ptrs
     finally:
         sync.close()
         llm.llm_engine.engine_core.shutdown()

@@ -5,7 +5,8 @@ The trainer code here (`trainer_for`) uses only vLLM's API (`WeightTransferTrain
 `PushClient`. It updates (a) an offline `LLM(weight_transfer_config={"backend": "nccl_sync"})` and
 (b) a `vllm serve` process through its RL HTTP routes, both real vLLM CPU engines over gloo.
 Afterwards greedy output equals transformers' with the pushed weights and vLLM's weight version is
-the pushed version; a model with a wrong shape is refused before any byte moves, through vLLM's
+the pushed version (over gloo, and offline also over the shared-memory plane that colocated
+trainers use, chosen by the init info's `transport`); a model with a wrong shape is refused before any byte moves, through vLLM's
 API, with this project's message, and the engine keeps serving what it had.
 """
 
@@ -40,15 +41,17 @@ def wrong_model(arch: str, seed: int) -> torch.nn.Module:
     return model
 
 
-def trainer_for(client, model: torch.nn.Module, world_size: int):
+def trainer_for(client, model: torch.nn.Module, world_size: int, transport: str = "auto"):
     """The trainer's whole integration: vLLM's trainer factory, vLLM's `ModuleSource`, and the
-    backend's init info (its `backend` ClassVar, "nccl_sync", selects the backend)."""
+    backend's init info (its `backend` ClassVar, "nccl_sync", selects the backend; `transport`
+    the data plane)."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(world_size=world_size, rank=0, timeout_s=TIMEOUT_S,
-                                   bucket_bytes=64 * 1024)  # small buckets: many, and chunking
+                                   bucket_bytes=64 * 1024,  # small buckets: many, and chunking
+                                   transport=transport)
     return WeightTransferTrainerFactory.trainer_init(info, client=client,
                                                      source=ModuleSource(model))
 
@@ -111,6 +114,15 @@ def test_offline_llm_through_vllm_api(tmp_path):
         assert result.version == 2 and result.cast == {"bfloat16": "float32"}, result
         llm.reset_prefix_cache()
         assert generate(llm) == want
+
+        # Colocated on this host: the shared-memory plane, chosen in the init info alone.
+        local = build_model("qwen2", seed=5)
+        shm = trainer_for(llm, local, world_size, transport="shm")
+        result = shm.send_weights()
+        shm.shutdown()
+        assert result.version == 3, result
+        llm.reset_prefix_cache()
+        assert generate(llm) == hf_greedy(local, PROMPTS, MAX_TOKENS)
     finally:
         llm.llm_engine.engine_core.shutdown()  # the engine's processes go now, not at exit
         del llm

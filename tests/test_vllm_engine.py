@@ -105,3 +105,34 @@ def test_push_from_trainer_process_takes_effect_in_place(engine, backend):
     assert ptrs_after == ptrs_before and len(ptrs_before[0]) > 5
     assert state["version"] == versions[-1] and state["failures"] == 0
     assert state["updates"] == held["updates"] + 2
+
+
+def test_after_vllms_weight_reset_only_an_update_of_every_weight_commits(engine):
+    """vLLM's own `reset_weights` (the RL router's weight checker "reset", the same loss as a
+    level-2 sleep) zeroes every parameter: the engine then reports inconsistent, an update that
+    leaves out a tensor is refused before a byte moves, and one of every weight restores it
+    (its output equals transformers' with the pushed weights, every parameter written)."""
+    from vllm_nccl_sync import LLMHandle, UpdateRefused, WeightSync
+
+    arch, llm = engine
+    [held] = llm.collective_rpc("nccl_sync_state")
+    version = max(held["version"], 1) + 10
+    sync = WeightSync([LLMHandle(llm)], backend="gloo", bucket_bytes=64 * 1024, timeout_s=60.0)
+    sync.connect()
+    try:
+        llm.collective_rpc("reset_weights")
+        [st] = llm.collective_rpc("nccl_sync_state")
+        assert not st["consistent"] and "reset_weights zeroed" in st["discarded"], st
+        weights = build_model(arch, 7).state_dict()
+        partial = {n: t for n, t in weights.items() if not n.endswith("post_attention_layernorm.weight")}
+        with pytest.raises(UpdateRefused, match="every weight must be rewritten.*post_attention_layernorm"):
+            sync.update(partial, version)
+        [st] = llm.collective_rpc("nccl_sync_state")
+        assert not st["consistent"] and st["version"] == held["version"]
+        model = build_model(arch, 8)
+        sync.update(model.state_dict(), version + 1)
+        [st] = llm.collective_rpc("nccl_sync_state")
+        assert st["consistent"] and st["version"] == version + 1 and st["discarded"] == ""
+        assert generate(llm) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+    finally:
+        sync.close()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from vllm_nccl_sync.engine.dataplane import ReceivePlane
 from vllm_nccl_sync.engine.inbox import Inbox, Wait
+from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import WeightLoader
 from vllm_nccl_sync.engine.update import Update
 from vllm_nccl_sync.outcomes import UpdateFailed, clip
@@ -22,12 +24,14 @@ log = logging.getLogger(__name__)
 
 class CommitRound:
     """The commit round of receiver `rank`: sends bounded by `timeout_s`, the sender's verdicts
-    awaited for `verdict_s`."""
+    awaited for `verdict_s`; `residency` tells whether the weights may be written now (a staged
+    update is loaded only then; None: always)."""
 
     def __init__(self, inbox: Inbox, plane: ReceivePlane, rank: int, timeout_s: float,
-                 verdict_s: float) -> None:
+                 verdict_s: float, residency: Callable[[], Residency] | None = None) -> None:
         self.inbox, self.plane, self.rank = inbox, plane, rank
         self.timeout_s, self.verdict_s = timeout_s, verdict_s
+        self.residency = residency
 
     def seal(self, u: Update) -> Seal:
         """The sender's `Seal` after the last bucket (anything else breaks the protocol); the
@@ -56,6 +60,9 @@ class CommitRound:
             if early is not None:
                 raise self.inbox.violation(u, f"the sender sent {clip(repr(early), 200)} "
                                               f"before the swap of update {u.version}")
+        why = self.residency().unwritable if self.residency is not None else ""
+        if why:  # e.g. put to sleep while the update was received beside serving
+            self._refuse(u, f"rank {self.rank} did not load staged update {u.version}: {why}")
         try:
             with self.plane.loading():
                 loader.begin()
@@ -70,12 +77,19 @@ class CommitRound:
                 u.beside.shadow.settle()
                 u.beside.mark("settled")  # every copy they queued ran
         except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
-            u.failed = f"rank {self.rank} failed loading the staged update: {clip(repr(e))}"
             log.exception("loading the staged update failed")
-            self.inbox.tell(u, u.seq + 1, u.failed)
-            raise UpdateFailed(u.failed) from None
+            self._refuse(u, f"rank {self.rank} failed loading the staged update: "
+                            f"{clip(repr(e))}")
+        if problem := u.coverage_problem(loader):
+            self._refuse(u, problem)
         self._ack(2, u)
         self._commit(2, u)
+
+    def _refuse(self, u: Update, why: str) -> None:
+        """Fail the staged update's second phase: the sender hears `why`; raises."""
+        u.failed = why
+        self.inbox.tell(u, u.seq + 1, why)
+        raise UpdateFailed(why)
 
     def _ack(self, phase: int, u: Update) -> None:
         """Send `Ack(phase)`, unless the sender already sent something of this update."""

@@ -19,6 +19,7 @@ class ModuleLoader:
         self.targets: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
         self.targets.update(module.named_buffers(remove_duplicate=False))
+        self.params = dict(module.named_parameters())
         self.loaded: set[str] = set()
 
     def begin(self) -> None:
@@ -50,6 +51,11 @@ class ModuleLoader:
         if first_row + rows.shape[0] == shape[0]:
             self.loaded.add(name)
         return True
+
+    def unwritten(self) -> list[str]:
+        """The module's parameters this update loaded nothing into (a tied alias counts)."""
+        written = {id(self.targets[n]) for n in self.loaded}
+        return [n for n, p in self.params.items() if id(p) not in written]
 
     def finish(self) -> None:
         pass

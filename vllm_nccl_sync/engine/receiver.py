@@ -29,6 +29,7 @@ from vllm_nccl_sync.engine.dataplane import ReceivePlane, digest_problem, seal_p
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.inbox import Inbox, Wait
 from vllm_nccl_sync.engine.metrics import observe_update
+from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader, require_checksums_default
 from vllm_nccl_sync.engine.update import Update, plan_problem
 from vllm_nccl_sync.outcomes import UpdateFailed, WorkerSummary, clip
@@ -71,6 +72,7 @@ class Receiver:
         require_checksums: bool | None = None,
         adapters: Callable[[AdapterSpec], WeightLoader] | None = None,
         dtype: str = "",
+        residency: Callable[[], Residency] | None = None,
     ) -> None:
         """Join as `rank`; `reference` (the engine's tensors) lets plans and headers be checked
         against the model before any byte moves; `state` carries what the worker holds across
@@ -78,13 +80,15 @@ class Receiver:
         `require_checksums` (default: `require_checksums_default()`) refuses unchecked buckets;
         `adapters` gives the loader of an update whose plan targets a LoRA adapter (None: such
         updates are refused); `dtype` (a wire dtype name) is the engine's floating-point weight
-        dtype, told to the trainer in the `Hello` so that it can cast to it."""
+        dtype, told to the trainer in the `Hello` so that it can cast to it; `residency` gives
+        what vLLM's sleep mode did to the model's weights (`engine.residency`; None: nothing)."""
         if rank < cfg.num_senders:
             raise ValueError(f"ranks 0..{cfg.num_senders - 1} are the senders")
         self.cfg = cfg
         self.rank = rank
         self.reference = reference
         self.adapters = adapters
+        self.residency = residency
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)
         self._broken = ""  # a failure that left this receiver out of step with the group
@@ -104,7 +108,8 @@ class Receiver:
         self.transports = self.plane.transports
         self.transport = self.transports[0]
         self.buffers = self.plane.buffers
-        self._round = CommitRound(self.inbox, self.plane, rank, cfg.timeout_s, self.verdict_s)
+        self._round = CommitRound(self.inbox, self.plane, rank, cfg.timeout_s, self.verdict_s,
+                                  residency)
 
     @property
     def broken(self) -> str:
@@ -160,15 +165,8 @@ class Receiver:
             if not isinstance(e, (UpdateFailed, TimeoutError)):
                 log.exception("update %d failed on rank %d", u.version, self.rank)
             return self._failed(e, u, loader)
-        st = self.state
-        if u.adapter is not None:
-            st.adapters[u.adapter.name] = u.version
-        else:
-            st.version, st.consistent = u.version, True
-        st.updates += 1
-        st.bytes += u.nbytes
-        st.last_seconds = time.perf_counter() - u.t0
-        return self._summary(u, True, seconds=st.last_seconds,
+        u.committed(self.state)
+        return self._summary(u, True, seconds=self.state.last_seconds,
                              load=dict(getattr(loader, "stats", None) or {}))
 
     def _open(self, plan: Plan, u: Update) -> None:
@@ -178,7 +176,9 @@ class Receiver:
         held = (self.state.version if plan.adapter is None
                 else self.state.adapters.get(plan.adapter.name, -1))
         problem = (plan_problem(plan, self.rank, held, self.reference, self.adapters is not None)
-                   or self._shadow_problem(plan, u) or u.open(plan, self.reference))
+                   or u.residency_problem(plan, self.residency, self.reference)
+                   or self._shadow_problem(plan, u)
+                   or u.open(plan, self.reference))
         if problem:
             u.failed, u.refused = problem, 0
             self.inbox.fail(u, problem, -1)
@@ -278,6 +278,7 @@ class Receiver:
                 with self.plane.loading():
                     loader.finish()
                 self.plane.settle(self.cfg.timeout_s)
+                u.failed = u.coverage_problem(loader) or None
             except Exception as e:  # noqa: BLE001 - vLLM's post-processing: report it
                 u.failed = f"rank {self.rank} failed finishing the load: {clip(repr(e))}"
                 log.exception("finishing the load failed")

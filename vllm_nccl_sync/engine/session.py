@@ -6,7 +6,9 @@ The vLLM worker extension (`glue.ext.Ext`), vLLM's weight-transfer engine `nccl_
 versions held, consistency, counters, the LoRA adapters pushed), receives updates into the
 engine's loader, and reports state, adapters, checksums, parameter pointers and metrics. What is
 engine-specific comes from the front door: the live model, its tensor-parallel position, the
-adapter store, and at each join where the worker sits, its loader, reference and dtype.
+adapter store, and at each join where the worker sits, its loader, reference and dtype. What
+vLLM's sleep mode did to the weights meanwhile (`engine.residency`) is taken in before each
+report and update.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vllm_nccl_sync.engine.checksums import module_checksums, param_pointers
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.metrics import export_state, prometheus_text
 from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.engine.residency import Residency, residency
 from vllm_nccl_sync.engine.shadow import BesideReceive, Shadow
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader
 from vllm_nccl_sync.outcomes import WorkerSummary
@@ -78,6 +81,21 @@ class EngineSession:
         self._adapters: Adapters | None = None
         self._beside: BesideReceive | None = None
         self._shadow: Shadow | None = None
+        self._epoch = 0  # the last residency event taken into `state`
+
+    def residency(self) -> Residency:
+        """What vLLM's sleep mode and weight calls did to the model, taken into `state` once
+        per event: discarded weights are inconsistent until an update rewrites them all, a
+        reload from the checkpoint holds the default weights (version -1)."""
+        r = residency(self._model())
+        if r.epoch != self._epoch:
+            self._epoch = r.epoch
+            st = self.state
+            if r.discarded:
+                st.consistent, st.last_error = False, r.discarded
+            elif r.reloaded:
+                st.version, st.consistent = -1, True
+        return r
 
     def join(self, cfg: SyncConfig, where: Placement, loaders: Callable[[], WeightLoader], *,
              reference: Reference | None = None, dtype: str = "",
@@ -99,7 +117,8 @@ class EngineSession:
         self.receiver = Receiver(
             cfg, where.rank, replica=where.replica, tp_rank=where.tp_rank, tp_size=where.tp_size,
             device=device, reference=reference, state=self.state, dtype=dtype,
-            adapters=self._adapters.loader if self._adapters is not None else None)
+            adapters=self._adapters.loader if self._adapters is not None else None,
+            residency=self.residency)
         self.placement, self.loaders = where, loaders
         return where
 
@@ -109,6 +128,7 @@ class EngineSession:
 
     def _not_ready(self) -> WorkerSummary | None:
         """Why no update can be received now (None: one can)."""
+        self.residency()
         why = ("this worker has not joined a trainer (join first)" if self.receiver is None
                else "an update is being received beside serving (swap it first)"
                if self._receiving_beside else "")
@@ -167,13 +187,15 @@ class EngineSession:
 
     def report(self) -> dict[str, Any]:
         """Weight version held, consistency, counters and adapter versions of this worker."""
+        held = self.residency().to_dict()
         st = self.state
         return {"joined": self.joined, "rank": self.receiver.rank if self.receiver else -1,
                 "version": st.version, "consistent": st.consistent, "updates": st.updates,
                 "failures": st.failures, "bytes": st.bytes, "last_seconds": st.last_seconds,
                 "last_error": st.last_error, "adapters": dict(st.adapters),
                 "beside": self._beside.stage if self._receiving_beside else "",
-                "shadow_bytes": self._shadow.nbytes if self._shadow is not None else 0}
+                "shadow_bytes": self._shadow.nbytes if self._shadow is not None else 0,
+                **held}
 
     def adapters(self) -> dict[str, Any]:
         """Every LoRA adapter pushed into this worker: committed version, id, rank, targets."""
@@ -181,7 +203,10 @@ class EngineSession:
         return {n: {"version": self.state.adapters.get(n, -1), **h} for n, h in held.items()}
 
     def checksums(self, names: list[str] | None = None) -> dict[str, Any]:
-        """sha256 of the parameters as this worker holds them (`verify` compares them)."""
+        """sha256 of the parameters as this worker holds them (`verify` compares them);
+        refused while the weights are asleep (their memory is unmapped)."""
+        if why := self.residency().unwritable:
+            raise RuntimeError(f"cannot read the weights: {why}")
         tp_rank, tp_size = self._parallel()
         return {"tp_rank": tp_rank, "tp_size": tp_size,
                 "params": module_checksums(self._model(), names)}

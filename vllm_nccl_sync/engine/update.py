@@ -8,13 +8,16 @@ byte range of a tensor cut over several buckets) is named once.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vllm_nccl_sync.engine.handshake import Reference
-from vllm_nccl_sync.engine.state import held_weights
+from vllm_nccl_sync.engine.residency import Residency
+from vllm_nccl_sync.engine.state import ReceiverState, held_weights
 from vllm_nccl_sync.outcomes import clip
 from vllm_nccl_sync.wire.packing import validate_header
 from vllm_nccl_sync.wire.protocol import AdapterSpec, BucketHeader, Plan, TensorSpec, belongs
@@ -70,6 +73,12 @@ class Update:
     """The LoRA adapter this update targets (None: base weights)."""
     beside: Any = None
     """`shadow.BesideReceive` of an update received beside serving (None: paused)."""
+    rewrite: str = ""
+    """Why this update must rewrite every weight to commit ("" if it need not)."""
+    held: Residency | None = None
+    """The model's `engine.residency` record, when this update must rewrite every weight."""
+    named: dict[str, TensorSpec] = field(default_factory=dict)
+    """Every tensor the update's headers named (kept when it must rewrite every weight)."""
     t0: float = 0.0
 
     def open(self, plan: Plan, reference: Reference | None) -> str:
@@ -100,10 +109,66 @@ class Update:
             return problem
         for s in header.slots:
             self.covered[s.name] = max(self.covered.get(s.name, 0), s.start + s.nbytes)
+            if self.rewrite:
+                self.named.setdefault(s.name, TensorSpec(s.name, s.dtype, s.shape))
         self.headers[seq] = header
         self.accepted = seq
         if header.is_last:
             self.last = seq
+        return ""
+
+    def residency_problem(self, plan: Plan, residency: Callable[[], Residency] | None,
+                          reference: Reference | None) -> str:
+        """Why the engine's sleep state (`engine.residency`; None: not known) refuses `plan`
+        ("" if it does not). Weights asleep: refused. Weights discarded: the update must rewrite
+        every weight (`rewrite`); a state-dict plan must name every checkpoint tensor now, a
+        stream by its commit."""
+        if residency is None:
+            return ""
+        r = residency()
+        where = f"rank {self.rank} refused update {plan.version}"
+        if r.unwritable:
+            return f"{where}: {r.unwritable}"
+        if not r.discarded or plan.adapter is not None:
+            return ""
+        if reference is None:
+            return (f"{where}: {r.discarded}, and without the engine's checkpoint headers it "
+                    "cannot check that the update rewrites every weight")
+        self.rewrite, self.held = r.discarded, r
+        missing = reference.problems(plan.tensors, full=True) if plan.tensors else []
+        return f"{where}: {r.discarded}; {self.rewrite_needed(missing)}" if missing else ""
+
+    def committed(self, st: ReceiverState) -> None:
+        """Record this update, committed, in what the worker holds."""
+        if self.adapter is not None:
+            st.adapters[self.adapter.name] = self.version
+        else:
+            st.version, st.consistent = self.version, True
+            if self.held is not None:
+                self.held.rewritten()  # every weight rewritten: no longer discarded
+        st.updates += 1
+        st.bytes += self.nbytes
+        st.last_seconds = time.perf_counter() - self.t0
+
+    def rewrite_needed(self, missing: list[str]) -> str:
+        return f"every weight must be rewritten, but {'; '.join(missing)}"
+
+    def coverage_problem(self, loader: Any) -> str:
+        """Why this update, loaded and finished, may not commit because it must rewrite every
+        weight and did not ("" if it may): a checkpoint tensor no header named, or a parameter
+        the loaders wrote nothing into (`loader.unwritten()`, where the loader can tell)."""
+        if not self.rewrite or self.reference is None:
+            return ""
+        where = f"rank {self.rank} refused to commit update {self.version}: {self.rewrite}"
+        missing = self.reference.problems(list(self.named.values()), full=True)
+        if missing:
+            return clip(f"{where}; {self.rewrite_needed(missing)}")
+        unwritten = getattr(loader, "unwritten", None)
+        left = unwritten() if unwritten is not None else None
+        if left:
+            shown = ", ".join(sorted(left)[:8]) + (" ..." if len(left) > 8 else "")
+            return clip(f"{where}; every weight must be rewritten, but the loaders wrote "
+                        f"nothing into {len(left)} parameter(s): {shown}")
         return ""
 
     def _problem(self, header: BucketHeader, seq: int) -> str:

@@ -41,6 +41,9 @@ class LLMHandle:
     def resume(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
 
 class AsyncLLMHandle:
     """An in-process `AsyncLLM` whose event loop runs in another thread (e.g. a rollout server).
@@ -84,6 +87,10 @@ class AsyncLLMHandle:
 
         self._run(resume())
 
+    def reset_prefix_cache(self) -> None:
+        """The prefix cache only (an engine asleep: `WeightSync` neither pauses nor resumes it)."""
+        self._run(self.engine.reset_prefix_cache())
+
 
 class HTTPHandle:
     """A `vllm serve ... --worker-extension-cls vllm_nccl_sync.Ext` server.
@@ -126,6 +133,10 @@ class HTTPHandle:
     def resume(self) -> None:
         self._post("/reset_prefix_cache?reset_running_requests=true")
         self._post("/resume")
+
+    def reset_prefix_cache(self) -> None:
+        """The prefix cache only (a server asleep: `WeightSync` neither pauses nor resumes it)."""
+        self._post("/reset_prefix_cache")
 
     def register_adapter(self, name: str) -> None:
         """Make the server's OpenAI routes serve LoRA adapter `name` (pushed into its workers)

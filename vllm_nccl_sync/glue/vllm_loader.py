@@ -280,6 +280,14 @@ class VllmWeightLoader:
             self._by_rows += 1
         return True
 
+    def unwritten(self) -> list[str] | None:
+        """The model's parameters this update's loads filled nothing into, as `load_weights`
+        reported them (vLLM's own loader checks the same after loading a checkpoint). None where
+        it cannot tell: layers loaded layerwise end with kernel-format parameters of other names."""
+        if self._layerwise():
+            return None
+        return sorted({n for n, _ in self.model.named_parameters()} - self.loaded)
+
     def finish(self) -> None:
         """Make the loaded weights take effect (CPU: re-pack; kernel-format layers: process;
         derived tensors: refresh) and release temporary full weights.

@@ -82,6 +82,9 @@ def vllm_session(worker: Any, adapters: Callable[[Any, Reference | None], Any]) 
     """The session of a vLLM worker, or of anything shaped like one (`model_runner.model`,
     `device`, `vllm_config`); `adapters(worker, reference)` makes its LoRA adapter store when the
     engine runs with LoRA enabled (`lora.AdapterStore.for_worker` or `for_model`)."""
+    from vllm_nccl_sync.patches.vllm_sleep import install
+
+    install()  # in case the plugin entry point did not run in this process (idempotent)
     lora = getattr(worker.vllm_config, "lora_config", None) is not None
     return EngineSession(lambda: worker.model_runner.model, _tensor_parallel,
                          (lambda: adapters(worker, reference(worker.vllm_config))) if lora

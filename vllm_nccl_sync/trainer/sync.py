@@ -52,6 +52,15 @@ class EngineHandle(Protocol):
         """Resume scheduling and reset the prefix cache (its KV came from the old weights)."""
         ...
 
+    # Optional: `reset_prefix_cache()`, called instead of `pause`/`resume` when the engine's
+    # memory is asleep (vLLM's sleep mode): resuming it then would let it step before
+    # `wake_up(tags=["kv_cache"])`. A handle without it is neither paused nor resumed then.
+
+
+def _asleep(state: list[dict[str, Any]]) -> bool:
+    """Whether a worker of this engine reports memory asleep (vLLM's sleep mode)."""
+    return any(w.get("asleep") for w in state)
+
 
 def settle(version: int, pushed: Outcome, answers: list[Outcome],
            engines: list[EngineHandle], offsets: list[int]) -> PushResult:
@@ -164,16 +173,39 @@ class WeightSync:
                        adapter=adapter, progress=progress)
         if beside:
             return self._beside(push, version, pause_mode, shadow)
-        for e in self.engines:
-            e.pause(pause_mode)
+        asleep = [_asleep(s) for s in self._states()]
+        self._hold(asleep, pause_mode)
         try:
             pushed, answers = alongside(
                 self._calls("nccl_sync_receive", self.cfg.timeout_s),
                 partial(push, staged=staged), self.cfg.timeout_s, name="nccl-sync-receive")
         finally:
-            for e in self.engines:
-                e.resume()
+            self._release(asleep)
         return settle(version, pushed, answers, self.engines, self.offsets)
+
+    def _states(self) -> list[list[dict[str, Any]]]:
+        """`state()`, an engine that does not answer reporting nothing (its receive reports)."""
+        out: list[list[dict[str, Any]]] = []
+        for e in self.engines:
+            try:
+                out.append(e.call("nccl_sync_state", timeout=30))
+            except Exception:  # noqa: BLE001 - the update itself names what is wrong
+                out.append([])
+        return out
+
+    def _hold(self, asleep: list[bool], mode: str) -> None:
+        """Pause every engine whose memory is awake."""
+        for e, a in zip(self.engines, asleep, strict=True):
+            if not a:
+                e.pause(mode)
+
+    def _release(self, asleep: list[bool]) -> None:
+        """Resume what `_hold` paused; an engine asleep only gets its prefix cache reset."""
+        for e, a in zip(self.engines, asleep, strict=True):
+            if not a:
+                e.resume()
+            elif (reset := getattr(e, "reset_prefix_cache", None)) is not None:
+                reset()
 
     def _beside(self, push: Callable[..., PushResult], version: int, pause_mode: str,
                 shadow: str) -> PushResult:
@@ -181,11 +213,13 @@ class WeightSync:
         once every worker verified, pause each engine, swap, resume."""
         t = self.cfg.timeout_s
         bound = engine_call_s(t)
-        for i, state in enumerate(self.state()):
+        states = self.state()
+        for i, state in enumerate(states):
             busy = [s.get("rank") for s in state if s.get("beside")]
             if busy:
                 raise PushError(f"engine {i}'s workers {busy} are still receiving an update beside "
                                 "serving (it ends by its own timeout)")
+        asleep = [_asleep(s) for s in states]
         for i, e in enumerate(self.engines):
             started = e.call("nccl_sync_receive_beside", t, shadow, timeout=bound)
             failed = [s for s in started if not s.get("ok")]
@@ -199,14 +233,12 @@ class WeightSync:
             paused = verified.is_set()  # else the push failed: collect the reports, no pause
             try:
                 if paused:
-                    for e in self.engines:
-                        e.pause(pause_mode)
+                    self._hold(asleep, pause_mode)
                 return alongside(self._calls("nccl_sync_swap", bound), lambda: None, t,
                               name="nccl-sync-swap")[1]
             finally:
                 if paused:
-                    for e in self.engines:
-                        e.resume()
+                    self._release(asleep)
 
         def pushed() -> PushResult:
             try:
