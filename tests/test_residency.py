@@ -57,7 +57,7 @@ class Worker:
             for p in self.model.parameters():
                 p.zero_()
 
-    def reload_weights(self, weights_iterator: Any = None) -> None:
+    def reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None) -> None:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(tensors(0)[n])
@@ -187,3 +187,7 @@ def test_discard_and_reload(engine):
     e.worker.reload_weights(iter(tensors(5).items()))  # weights no update pushed
     st = state(e)
     assert not st["consistent"] and "reload_weights" in st["discarded"]
+    e.worker.reload_weights()
+    assert state(e)["version"] == -1 and state(e)["consistent"]
+    e.worker.reload_weights(weights_path="another-checkpoint")  # not the engine's own
+    assert not state(e)["consistent"]

@@ -69,8 +69,10 @@ def _reset(worker: Any, *_: Any, **__: Any) -> None:
     residency(_model(worker)).lost("vLLM's reset_weights zeroed the weights")
 
 
-def _reloaded(worker: Any, weights_iterator: Any = None, *_: Any, **__: Any) -> None:
-    residency(_model(worker)).reloaded_from(weights_iterator is None)
+def _reloaded(worker: Any, weights_iterator: Any = None, weights_path: str | None = None,
+              *_: Any, **__: Any) -> None:
+    """With neither argument vLLM reloads the model's own checkpoint."""
+    residency(_model(worker)).reloaded_from(weights_iterator is None and weights_path is None)
 
 
 RECORDS: dict[str, Callable[..., None]] = {
