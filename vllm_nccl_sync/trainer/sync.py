@@ -52,12 +52,12 @@ class EngineHandle(Protocol):
         """Resume scheduling and reset the prefix cache (its KV came from the old weights)."""
         ...
 
-    # Optional: `reset_prefix_cache()`, called instead of `pause`/`resume` when the engine's
-    # memory is asleep (vLLM's sleep mode): resuming it then would let it step before
-    # `wake_up(tags=["kv_cache"])`. A handle without it is neither paused nor resumed then.
+    # Optional: `reset_prefix_cache()`. A handle that has it is asked before each update whether
+    # its engine's memory is asleep (vLLM's sleep mode); if so it is neither paused nor resumed
+    # (resuming would let it step before `wake_up(tags=["kv_cache"])`), only this is called.
 
 
-def _asleep(state: list[dict[str, Any]]) -> bool:
+def _sleeping(state: list[dict[str, Any]]) -> bool:
     """Whether a worker of this engine reports memory asleep (vLLM's sleep mode)."""
     return any(w.get("asleep") for w in state)
 
@@ -173,7 +173,7 @@ class WeightSync:
                        adapter=adapter, progress=progress)
         if beside:
             return self._beside(push, version, pause_mode, shadow)
-        asleep = [_asleep(s) for s in self._states()]
+        asleep = self._asleep()
         self._hold(asleep, pause_mode)
         try:
             pushed, answers = alongside(
@@ -183,14 +183,17 @@ class WeightSync:
             self._release(asleep)
         return settle(version, pushed, answers, self.engines, self.offsets)
 
-    def _states(self) -> list[list[dict[str, Any]]]:
-        """`state()`, an engine that does not answer reporting nothing (its receive reports)."""
-        out: list[list[dict[str, Any]]] = []
+    def _asleep(self) -> list[bool]:
+        """Per engine, whether a worker reports its memory asleep (vLLM's sleep mode). Only
+        handles that can reset their prefix cache alone are asked (one state call each); an
+        engine that does not answer counts as awake (its receive reports what is wrong)."""
+        out = []
         for e in self.engines:
             try:
-                out.append(e.call("nccl_sync_state", timeout=30))
+                out.append(hasattr(e, "reset_prefix_cache")
+                           and _sleeping(e.call("nccl_sync_state", timeout=30)))
             except Exception:  # noqa: BLE001 - the update itself names what is wrong
-                out.append([])
+                out.append(False)
         return out
 
     def _hold(self, asleep: list[bool], mode: str) -> None:
@@ -202,10 +205,10 @@ class WeightSync:
     def _release(self, asleep: list[bool]) -> None:
         """Resume what `_hold` paused; an engine asleep only gets its prefix cache reset."""
         for e, a in zip(self.engines, asleep, strict=True):
-            if not a:
+            if a:
+                e.reset_prefix_cache()  # type: ignore[attr-defined]
+            else:
                 e.resume()
-            elif (reset := getattr(e, "reset_prefix_cache", None)) is not None:
-                reset()
 
     def _beside(self, push: Callable[..., PushResult], version: int, pause_mode: str,
                 shadow: str) -> PushResult:
@@ -219,7 +222,8 @@ class WeightSync:
             if busy:
                 raise PushError(f"engine {i}'s workers {busy} are still receiving an update beside "
                                 "serving (it ends by its own timeout)")
-        asleep = [_asleep(s) for s in states]
+        asleep = [hasattr(e, "reset_prefix_cache") and _sleeping(s)
+                  for e, s in zip(self.engines, states, strict=True)]
         for i, e in enumerate(self.engines):
             started = e.call("nccl_sync_receive_beside", t, shadow, timeout=bound)
             failed = [s for s in started if not s.get("ok")]
