@@ -48,7 +48,7 @@ def test_sleep_levels_around_colocated_updates(tmp_path):
         vllm_greedy,
     )
 
-    faulthandler.dump_traceback_later(900)  # where it waits, should it hang
+    faulthandler.dump_traceback_later(900, exit=True)  # the deadline: where it waited, then out
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process, the trainer, uses CUDA
     path = make_model(str(tmp_path / "w1"), ARCH, seed=1)
     llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", enable_sleep_mode=True,

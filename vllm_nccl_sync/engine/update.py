@@ -73,10 +73,9 @@ class Update:
     """The LoRA adapter this update targets (None: base weights)."""
     beside: Any = None
     """`shadow.BesideReceive` of an update received beside serving (None: paused)."""
-    rewrite: str = ""
-    """Why this update must rewrite every weight to commit ("" if it need not)."""
     held: Residency | None = None
-    """The model's `engine.residency` record, when this update must rewrite every weight."""
+    """The model's `engine.residency` record when this update must rewrite every weight to
+    commit (its `discarded` says why; None: it need not)."""
     named: dict[str, TensorSpec] = field(default_factory=dict)
     """Every tensor the update's headers named (kept when it must rewrite every weight)."""
     t0: float = 0.0
@@ -109,7 +108,7 @@ class Update:
             return problem
         for s in header.slots:
             self.covered[s.name] = max(self.covered.get(s.name, 0), s.start + s.nbytes)
-            if self.rewrite:
+            if self.held is not None:
                 self.named.setdefault(s.name, TensorSpec(s.name, s.dtype, s.shape))
         self.headers[seq] = header
         self.accepted = seq
@@ -121,7 +120,7 @@ class Update:
                           reference: Reference | None) -> str:
         """Why the engine's sleep state (`engine.residency`; None: not known) refuses `plan`
         ("" if it does not). Weights asleep: refused. Weights discarded: the update must rewrite
-        every weight (`rewrite`); a state-dict plan must name every checkpoint tensor now, a
+        every weight (`held`); a state-dict plan must name every checkpoint tensor now, a
         stream by its commit."""
         if residency is None:
             return ""
@@ -134,7 +133,7 @@ class Update:
         if reference is None:
             return (f"{where}: {r.discarded}, and without the engine's checkpoint headers it "
                     "cannot check that the update rewrites every weight")
-        self.rewrite, self.held = r.discarded, r
+        self.held = r
         missing = reference.problems(plan.tensors, full=True) if plan.tensors else []
         return f"{where}: {r.discarded}; {self.rewrite_needed(missing)}" if missing else ""
 
@@ -157,9 +156,9 @@ class Update:
         """Why this update, loaded and finished, may not commit because it must rewrite every
         weight and did not ("" if it may): a checkpoint tensor no header named, or a parameter
         the loaders wrote nothing into (`loader.unwritten()`, where the loader can tell)."""
-        if not self.rewrite or self.reference is None:
+        if self.held is None or self.reference is None:
             return ""
-        where = f"rank {self.rank} refused to commit update {self.version}: {self.rewrite}"
+        where = f"rank {self.rank} refused to commit update {self.version}: {self.held.discarded}"
         missing = self.reference.problems(list(self.named.values()), full=True)
         if missing:
             return clip(f"{where}; {self.rewrite_needed(missing)}")

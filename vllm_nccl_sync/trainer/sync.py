@@ -183,15 +183,16 @@ class WeightSync:
             self._release(asleep)
         return settle(version, pushed, answers, self.engines, self.offsets)
 
-    def _asleep(self) -> list[bool]:
-        """Per engine, whether a worker reports its memory asleep (vLLM's sleep mode). Only
-        handles that can reset their prefix cache alone are asked (one state call each); an
-        engine that does not answer counts as awake (its receive reports what is wrong)."""
+    def _asleep(self, states: list[list[dict[str, Any]]] | None = None) -> list[bool]:
+        """Per engine, whether a worker reports its memory asleep (vLLM's sleep mode), from
+        `states` (`state()`) or asked now. Only handles that can reset their prefix cache alone
+        count (others are not asked); an engine that does not answer counts as awake (its
+        receive reports what is wrong)."""
         out = []
-        for e in self.engines:
+        for i, e in enumerate(self.engines):
             try:
-                out.append(hasattr(e, "reset_prefix_cache")
-                           and _sleeping(e.call("nccl_sync_state", timeout=30)))
+                out.append(hasattr(e, "reset_prefix_cache") and _sleeping(
+                    states[i] if states is not None else e.call("nccl_sync_state", timeout=30)))
             except Exception:  # noqa: BLE001 - the update itself names what is wrong
                 out.append(False)
         return out
@@ -222,8 +223,7 @@ class WeightSync:
             if busy:
                 raise PushError(f"engine {i}'s workers {busy} are still receiving an update beside "
                                 "serving (it ends by its own timeout)")
-        asleep = [hasattr(e, "reset_prefix_cache") and _sleeping(s)
-                  for e, s in zip(self.engines, states, strict=True)]
+        asleep = self._asleep(states)
         for i, e in enumerate(self.engines):
             started = e.call("nccl_sync_receive_beside", t, shadow, timeout=bound)
             failed = [s for s in started if not s.get("ok")]
