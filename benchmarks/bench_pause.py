@@ -35,7 +35,8 @@ engine's pause, reset, resume and first step) is the GPU engine's own. Per updat
 
 `--pause-modes beside:keep,beside:wait,...` receives beside serving
 (`WeightSync.update(beside=True)`): the engine keeps generating during the push and is paused per
-the mode only for the swap. Then also reported: the longest token gap anywhere around the update
+the mode only for the swap (`beside:carry` never pauses: the swap runs between two steps and the
+running requests keep their KV). Then also reported: the longest token gap anywhere around the update
 (`max_gap_s`, and where it fell against the worker's own steps and garbage collections), the gap
 the swap made, the decode rate during the receive against `--baseline-s` of undisturbed decoding
 just before the update, and the requests that spanned the swap (`wait` promises none).
@@ -103,8 +104,8 @@ def instrument(engine: Any, handle: Any, client: Any, tl: Timeline) -> None:
             t0 = time.perf_counter()
             out = await fn(*args, **kwargs)
             label = f"rpc:{args[0] if args else kwargs.get('method')}" if name == "rpc" else name
-            extra = {"result": out} if label in ("rpc:nccl_sync_receive",
-                                                 "rpc:nccl_sync_swap") else {}
+            extra = {"result": out} if label in ("rpc:nccl_sync_receive", "rpc:nccl_sync_swap",
+                                                 "rpc:nccl_sync_swap_carry") else {}
             tl.add(label, t0, time.perf_counter(), **extra)
             return out
         return timed
@@ -350,7 +351,7 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=5, help="timed updates per pause mode")
     ap.add_argument("--pause-modes", default="keep",
                     help="comma list of keep, wait, abort; beside:<mode> receives beside serving "
-                         "and pauses per <mode> only for the swap")
+                         "and pauses per <mode> only for the swap (beside:carry: never pauses)")
     ap.add_argument("--shadow", default="device", help="beside: the shadow's place (device, host)")
     ap.add_argument("--trainer-process", action="store_true",
                     help="host trainer: push from a process of its own (trainer_proc.py), not "
@@ -385,9 +386,10 @@ def main() -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.pause_modes = [m for m in args.pause_modes.split(",") if m]
-    if not args.pause_modes or {m.removeprefix("beside:") for m in args.pause_modes} - {
-            "keep", "wait", "abort"}:
-        ap.error("--pause-modes takes keep, wait, abort, beside:keep, beside:wait, beside:abort")
+    if not args.pause_modes or set(args.pause_modes) - {
+            "keep", "wait", "abort", "beside:keep", "beside:wait", "beside:abort", "beside:carry"}:
+        ap.error("--pause-modes takes keep, wait, abort, beside:keep, beside:wait, beside:abort, "
+                 "beside:carry")
     if args.cpu_smoke:
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                      "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():

@@ -31,9 +31,11 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
     times = sorted(t for t, _ in tokens)
     beside = u["mode"].startswith("beside:")
     push = ev["push"]
-    rpc = ev.get("rpc:nccl_sync_swap" if beside else "rpc:nccl_sync_receive")
+    rpc = (ev.get("rpc:nccl_sync_swap_carry") or ev.get("rpc:nccl_sync_swap")) if beside else \
+        ev.get("rpc:nccl_sync_receive")
     pause, reset, resume = ev.get("pause"), ev.get("reset_prefix_cache"), ev.get("resume")
-    at = pause["t0"] if beside and pause else push["t0"]
+    hold = pause or (rpc if beside else None)  # `carry` never pauses: the swap's own call
+    at = hold["t0"] if beside and hold else push["t0"]
     gap = gap_around(times, at)
     out = {**u, "push_s": push["t1"] - push["t0"], "push_reported_s": push["reported_s"],
            "buckets": push["buckets"], "rpc_s": rpc and rpc["t1"] - rpc["t0"],
@@ -52,15 +54,15 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
     out["stall_s"] = go - stop
     import bisect
 
-    lo, hi = bisect.bisect_left(times, push["t0"]), bisect.bisect_right(times, resume["t1"] if
-                                                                        resume else push["t1"])
+    end = resume or (rpc if beside else None) or push
+    lo, hi = bisect.bisect_left(times, push["t0"]), bisect.bisect_right(times, end["t1"])
     window = times[max(lo - 1, 0):hi + 1]
     gaps = [(b - a, a) for a, b in zip(window, window[1:])]
     out["max_gap_s"] = max(gaps)[0] if gaps else None
     if gaps:  # where it was: from the push's start, and from the pause
         g, a = max(gaps)
         out["max_gap_from_push_s"] = a - push["t0"]
-        out["max_gap_from_pause_s"] = a - pause["t0"] if pause else None
+        out["max_gap_from_pause_s"] = a - hold["t0"] if hold else None
         side = (rpc or {}).get("result") or [{}]
         seen = side[0].get("beside") if isinstance(side[0], dict) else None
         if beside and seen:  # the worker's steps and garbage collections, from the gap's start
@@ -69,19 +71,20 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
                                           for t, d, gen in seen["gc"]
                                           if a - 0.05 < t < a + g and d > 0.005]
             out["worker_gc_s"] = round(sum(d for _, d, _ in seen["gc"]), 4)
-        if beside and pause:  # the gap the swap itself made: from the pause to the first token
-            lo2 = bisect.bisect_left(times, pause["t0"])
+        if beside and hold:  # the gap the swap itself made: from the pause to the first token
+            lo2 = bisect.bisect_left(times, hold["t0"])
             seg = times[max(lo2 - 1, 0):hi + 1]
             out["swap_gap_s"] = max((b2 - a2 for a2, b2 in zip(seg, seg[1:])), default=None)
-    if beside and pause:
+    if beside and hold:
         def rate(t0: float, t1: float) -> float:
             return sum(t0 < t < t1 for t in times) / max(t1 - t0, 1e-9)
 
-        out["receive_tokens_per_s"] = rate(push["t0"], pause["t0"])
+        out["receive_tokens_per_s"] = rate(push["t0"], hold["t0"])
         out["baseline_tokens_per_s"] = rate(*baseline)
         out["receive_rate_ratio"] = round(out["receive_tokens_per_s"]
                                           / max(out["baseline_tokens_per_s"], 1e-9), 3)
-        out["swap_window"] = [pause["t1"], resume["t0"] if resume else pause["t1"]]
+        out["swap_window"] = ([pause["t1"], resume["t0"] if resume else pause["t1"]] if pause
+                              else [rpc["t0"], rpc["t1"]])
         spanned(out, requests)
     out["phases_s"] = {
         "lead_in": span(edge, "t0", pause, "t0"), "pause": span(pause, "t0", pause, "t1"),
@@ -136,8 +139,8 @@ def summarise(updates: list[dict]) -> dict[str, dict]:
         if not ok:
             continue
 
-        def mm(xs: list[float]) -> dict[str, float]:
-            return {"median": statistics.median(xs), "max": max(xs)}
+        def mm(xs: list[float | None]) -> dict[str, float] | None:  # None: not in every update
+            return None if None in xs else {"median": statistics.median(xs), "max": max(xs)}
 
         out[mode] = {
             "updates": len(ok), "stall_s": mm([u["stall_s"] for u in ok]),
@@ -145,9 +148,7 @@ def summarise(updates: list[dict]) -> dict[str, dict]:
             "paused_s": mm([u["paused_s"] for u in ok]),
             "paused_excess_s": mm([u["paused_excess_s"] for u in ok]),
             "client_stall_max_s": mm([u["client_stall_s"]["max"] for u in ok]),
-            "phases_s": {p: mm([u["phases_s"][p] for u in ok])
-                         if all(u["phases_s"][p] is not None for u in ok) else None
-                         for p in (*PHASES, "other")},
+            "phases_s": {p: mm([u["phases_s"][p] for u in ok]) for p in (*PHASES, "other")},
             "max_gap_s": mm([u["max_gap_s"] for u in ok]),
             "receive_rate_ratio_min": min((u["receive_rate_ratio"] for u in ok
                                            if "receive_rate_ratio" in u), default=None),

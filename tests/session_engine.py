@@ -13,6 +13,7 @@ from vllm_nccl_sync import WeightSync
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.session import EngineSession, Placement
 from vllm_nccl_sync.engine.state import WeightLoader
+from vllm_nccl_sync.outcomes import CARRY_RPC
 from vllm_nccl_sync.wire.config import SyncConfig
 
 
@@ -42,6 +43,8 @@ class SessionEngine:
             return [s.receive_beside(*args).to_dict()]
         if method == "nccl_sync_swap":
             return [s.swap(*args).to_dict()]
+        if method == CARRY_RPC:  # no engine core here to take it
+            return [s.cannot_carry().to_dict()]
         if method == "nccl_sync_state":
             return [s.report()]
         if method == "nccl_sync_close":

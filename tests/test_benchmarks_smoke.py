@@ -164,11 +164,11 @@ def test_robustness_cpu_smoke(tmp_path):
 @pytest.mark.vllm
 @needs_vllm
 def test_bench_pause_cpu_smoke(tmp_path):
-    """AsyncLLM serving two streaming clients: one update paused with `keep`, one received
-    beside serving and swapped with `wait`."""
+    """AsyncLLM serving two streaming clients: one update paused with `keep`, two received
+    beside serving, swapped with `wait` and with `carry` (no pause)."""
     path = tmp_path / "pause.json"
     out = run_script(["benchmarks/bench_pause.py", "--cpu-smoke", "--updates", "1",
-                      "--pause-modes", "keep,beside:wait", "--trainer-process", "--json", str(path)],
+                      "--pause-modes", "keep,beside:wait,beside:carry", "--trainer-process", "--json", str(path)],
                      deadline_s=420)
     assert re.search(r"^\| keep \| [\d.]+ \(", out, re.M), out[-4000:]
     assert re.search(r"^\| beside:wait \| [\d.]+ \(", out, re.M), out[-4000:]
@@ -177,7 +177,7 @@ def test_bench_pause_cpu_smoke(tmp_path):
     r = json.loads(path.read_text())
     assert r["exact"] and not r["mismatched"]  # zeroed, then one update refilled every byte
     assert r["requests"]["short"] == [] and set(r["requests"]["finished"]) <= {"length"}
-    assert [u["version"] for u in r["updates"]] == [1, 2]
+    assert [u["version"] for u in r["updates"]] == [1, 2, 3]
     for u in r["updates"]:
         assert "error" not in u and u["buckets"] > 1 and u["exact"], u
         assert len(u["rx_s"]) == 1 and u["rx_s"][0] > 0
@@ -186,6 +186,11 @@ def test_bench_pause_cpu_smoke(tmp_path):
             assert u["receive_rate_ratio"] >= 0 and 0 < u["stall_s"] <= u["max_gap_s"] + 1e-9
             assert u["phases_s"]["pause"] >= 0 and u["phases_s"]["resume"] >= 0
             continue
+        if u["mode"] == "beside:carry":  # never paused: the gap is around the swap's own call
+            assert u["phases_s"]["pause"] is None and u["paused_s"] is None, u
+            assert u["receive_rate_ratio"] >= 0 and 0 < u["stall_s"] <= u["max_gap_s"] + 1e-9
+            assert u["swap_window"][0] < u["swap_window"][1]
+            continue
         ph = u["phases_s"]
         assert None not in ph.values(), ph  # every engine call of the update was seen
         for causal in ("pause", "to_push", "push", "reset_prefix_cache", "resume"):
@@ -193,7 +198,8 @@ def test_bench_pause_cpu_smoke(tmp_path):
         # each client's own gap around the push contains the engine-wide one
         assert 0 < u["stall_s"] <= u["client_stall_s"]["median"] + 1e-9, u
         assert abs(sum(ph.values()) - u["stall_s"]) < 1e-6
-    assert r["summary"]["keep"]["updates"] == 1 and r["summary"]["beside:wait"]["updates"] == 1
+    assert [r["summary"][m]["updates"] for m in ("keep", "beside:wait", "beside:carry")] == \
+        [1, 1, 1]
 
 
 @pytest.mark.vllm

@@ -97,6 +97,18 @@ def test_the_weights_change_only_at_the_swap_after_everything_verified(engine):
         report["shadow_bytes"]
 
 
+def test_carry_on_an_engine_that_cannot_swap_in_turn_swaps_under_a_keep_pause(engine):
+    e, sync = engine
+    with pytest.raises(ValueError, match="beside=True"):
+        sync.update(tensors(1), 1, pause_mode="carry")
+    before = e.held()
+    sync.update(tensors(1), 1, beside=True, pause_mode="carry")
+    (kind, (mode, _, held)), resumed = e.events  # the worker refused; then a keep pause
+    assert (kind, mode) == ("pause", "keep") and same(held, before)
+    assert resumed == ("resume", 1) and same(e.held(), tensors(1))
+    assert e.session.report()["version"] == 1
+
+
 def test_a_plan_that_is_not_staged_is_refused_before_a_byte_moves(engine):
     e, sync = engine
     assert e.session.receive_beside(TIMEOUT).ok

@@ -120,3 +120,55 @@ def test_a_replaced_parameter_or_another_shape_is_loaded_again():
     plan.load(batch, m.load_weights)  # embed's shape differs from the recorded one
     assert m.calls == 1 and torch.equal(m.embed, torch.cat([torch.ones(6, 4), torch.zeros(4, 4)]))
     assert plan.replayed == 6 + 6  # update 2: all but proj; update 3: all but embed
+
+
+def test_a_rehearsal_records_without_writing_and_the_first_load_replays():
+    m, ref, plan = Toy(), Toy(), CopyPlan()
+    before = state(m)
+    plan.refresh(params(m))
+    assert plan.rehearse(weights(1), m.load_weights) == 7  # every tensor but the skipped one
+    assert m.calls == 7 and not plan.off
+    assert all(torch.equal(state(m)[n], v) for n, v in before.items())  # nothing written
+    assert update(plan, m, 1) == {"qkv", "proj", "embed", "steps"}
+    ref.load_weights(weights(1))
+    assert m.calls == 7 and plan.replayed == 7  # the load itself: replayed only
+    assert all(torch.equal(state(m)[n], v) for n, v in state(ref).items())
+
+
+def test_a_rehearsal_of_a_loader_that_computes_or_fails_writes_nothing():
+    m, plan = Toy(computed=True), CopyPlan()
+    before = state(m)
+    plan.refresh(params(m))
+    plan.rehearse(weights(1), m.load_weights)
+    assert "proj" in plan.off  # as a real load would find, and still nothing written
+    assert all(torch.equal(state(m)[n], v) for n, v in before.items())
+
+    class Failing(Toy):  # loading "embed" raises (e.g. its parameter is re-created first)
+        def load_weights(self, weights):
+            def checked():
+                for n, w in weights:
+                    if n == "embed":
+                        raise ValueError("not in this layout yet")
+                    yield n, w
+
+            return super().load_weights(checked())
+
+    m, plan = Failing(), CopyPlan()
+    before = state(m)
+    plan.refresh(params(m))
+    assert plan.rehearse(weights(1), m.load_weights) == 6 and not plan.off  # all but embed
+    assert "embed" not in plan.entries and "proj_t" in plan.entries
+    assert all(torch.equal(state(m)[n], v) for n, v in before.items())
+
+
+def test_a_rehearsal_that_replaces_a_parameters_storage_is_undone():
+    class Replacing(Toy):
+        def load_weights(self, weights):
+            self.proj.data = torch.ones(4, 6)  # no ATen op: nothing sees it but the check after
+            return super().load_weights(weights)
+
+    m, plan = Replacing(), CopyPlan()
+    held = m.proj.data_ptr()
+    plan.refresh(params(m))
+    assert plan.rehearse(weights(1), m.load_weights) == 0
+    assert "'proj'" in plan.off and m.proj.data_ptr() == held and not m.proj.any()

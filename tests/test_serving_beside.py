@@ -5,8 +5,12 @@ push after its first bucket until the token stream has moved on, which it never 
 receive stopped the engine); after the swap the greedy output equals transformers' with the
 pushed weights. A worker that fails verification keeps both workers on the old weights; a failure
 during the swap is reported inconsistent; a trainer killed mid-receive leaves the served output
-and the version unchanged. No test depends on wall-clock speed: every wait is for an observed
-state, bounded by a generous deadline.
+and the version unchanged. `pause_mode="carry"` swaps between two steps without pausing: a
+request running at the swap keeps its KV and continues on the new weights (checked against
+transformers continuing the old model's KV cache with the new model), while every request after
+the swap sees only the new weights, also where its prefix was cached before the swap or filled
+by the carried request after it. No test depends on wall-clock speed: every wait is for an
+observed state, bounded by a generous deadline.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import signal
 import threading
 
 import pytest
+import torch
 
 from tests.procs import wait_until
 from vllm_nccl_sync import PushError
 from vllm_nccl_sync.glue.engines import AsyncLLMHandle
+from vllm_nccl_sync.outcomes import CARRY_RPC
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.sync import WeightSync
 
@@ -28,6 +34,9 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
 DEADLINE_S = 120.0  # bound on waiting for an observed state; never a guess at how fast things run
 BUCKET = 64 * 1024  # several buckets per update
+LONG_LEN = 512  # room for a request that fills a second KV block (128 tokens each on CPU)
+LONG = [(7 * i + 3) % 500 + 1 for i in range(130)]
+"""A prompt that fills one whole KV block: its block is cached and can be hit."""
 
 
 class Stream:
@@ -90,7 +99,8 @@ def engine(tmp_path_factory):
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
         path = make_model(str(tmp_path_factory.mktemp("beside")), "qwen2", seed=1)
         args = AsyncEngineArgs(model=path, worker_extension_cls="tests.fault_ext.FaultExt",
-                               **engine_kwargs(tensor_parallel_size=2))
+                               enable_prefix_caching=True,
+                               **engine_kwargs(tensor_parallel_size=2, max_model_len=LONG_LEN))
 
         async def make():
             return AsyncLLM.from_engine_args(args)
@@ -107,7 +117,7 @@ def engine(tmp_path_factory):
         loop.call_soon_threadsafe(loop.stop)
 
 
-def greedy(llm, loop, tag: str) -> list[list[int]]:
+def greedy(llm, loop, tag: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -120,7 +130,7 @@ def greedy(llm, loop, tag: str) -> list[list[int]]:
         return list(last.outputs[0].token_ids)
 
     async def every() -> list[list[int]]:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     return asyncio.run_coroutine_threadsafe(every(), loop).result(DEADLINE_S)
 
@@ -128,6 +138,23 @@ def greedy(llm, loop, tag: str) -> list[list[int]]:
 def states(sync: WeightSync) -> list[tuple[int, bool, str]]:
     [workers] = sync.state()
     return [(w["version"], w["consistent"], w["beside"]) for w in workers]
+
+
+class Recorded:
+    """What every worker answered to the handle's calls of `method` (the handle is the
+    fixture's: this wraps its `call` for the rest of the module)."""
+
+    def __init__(self, handle, method: str) -> None:
+        self.answers: list[dict] = []
+        call = handle.call
+
+        def recorded(m, *args, timeout=None):
+            out = call(m, *args, timeout=timeout)
+            if m == method:
+                self.answers += out
+            return out
+
+        handle.call = recorded
 
 
 def test_tokens_keep_coming_while_the_update_is_received(engine):
@@ -141,10 +168,14 @@ def test_tokens_keep_coming_while_the_update_is_received(engine):
             stream.moved(3, "tokens streaming while the update is received")
             during.append(states(sync))
 
+    swapped = Recorded(sync.engines[0], "nccl_sync_swap")
     model = build_model("qwen2", seed=2)
     result = sync.update(model.state_dict(), 2, beside=True, pause_mode="keep", progress=progress)
     assert result.version == 2 and result.buckets > 2
     assert during == [[(-1, True, "receiving")] * 2], during
+    # The engine's first update: the loader's copies were recorded while it served (rehearsed),
+    # so the swap already replays them (the CPU backend's packed linears load through vLLM).
+    assert [s["load"]["replayed"] > 0 for s in swapped.answers] == [True, True], swapped.answers
     stream.moved(1, "tokens after the swap")
     assert set(stream.stop()) <= {"length"}  # `keep`: no request lost
     assert greedy(llm, loop, "after-2") == hf_greedy(model, PROMPTS, MAX_TOKENS)
@@ -176,6 +207,99 @@ def test_both_workers_swap_or_neither(engine):
     sync.update(model.state_dict(), 5, beside=True, pause_mode="wait")
     assert states(sync) == [(5, True, "")] * 2
     assert greedy(llm, loop, "after-5") == hf_greedy(model, PROMPTS, MAX_TOKENS)
+
+
+def test_carry_swaps_with_tokens_streaming_and_no_request_lost(engine):
+    llm, loop, sync = engine
+    seen = Recorded(sync.engines[0], CARRY_RPC)
+    stream = Stream(llm, loop)
+    stream.moved(1, "the stream's first token")
+    during: list = []
+
+    def progress(buckets: int, nbytes: int, seconds: float) -> None:
+        if buckets == 1:
+            stream.moved(3, "tokens streaming while the update is received")
+            during.append(states(sync))
+
+    model = build_model("qwen2", seed=21)
+    result = sync.update(model.state_dict(), 6, beside=True, pause_mode="carry",
+                         progress=progress)
+    assert result.version == 6 and during and during[0][0][2] == "receiving"
+    assert [s["ok"] for s in seen.answers] == [True, True], seen.answers
+    assert all(s["carry"]["dropped"] for s in seen.answers)  # taken by the engine core
+    stream.moved(3, "tokens after the swap")
+    assert set(stream.stop()) <= {"length"}
+    assert greedy(llm, loop, "after-6") == hf_greedy(model, PROMPTS, MAX_TOKENS)
+    assert states(sync) == [(6, True, "")] * 2
+
+
+@torch.no_grad()
+def carried(old, new, prompt: list[int], before: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens of `new` continuing `prompt + before` on the KV cache `old`
+    computed for all but the last of those tokens: what a request carried across the swap after
+    `len(before)` tokens computes next (`n` tokens)."""
+    ids = torch.tensor([prompt + before])
+    cache = old(ids[:, :-1], use_cache=True).past_key_values
+    nxt, out = ids[:, -1:], []
+    for _ in range(n):
+        y = new(nxt, past_key_values=cache, use_cache=True)
+        cache = y.past_key_values
+        nxt = y.logits[:, -1:].argmax(-1)
+        out.append(int(nxt))
+    return out
+
+
+def test_carry_keeps_a_running_request_on_its_kv_and_no_later_request_sees_old_kv(engine):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_nccl_sync.patches.vllm_pause import pause
+
+    llm, loop, sync = engine
+    seen = Recorded(sync.engines[0], CARRY_RPC)
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(DEADLINE_S)  # noqa: E731
+    sync.update(build_model("qwen2", seed=22).state_dict(), 7, beside=True, pause_mode="wait")
+    old, new = build_model("qwen2", seed=22), build_model("qwen2", seed=23)
+    assert greedy(llm, loop, "cache-long", [LONG]) == hf_greedy(old, [LONG], MAX_TOKENS)
+    # A long request: it hits LONG's cached block, and fills its second block after the swap.
+    tokens: list[int] = []
+
+    async def long_request() -> str:
+        sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=LONG), sp,
+                                      request_id="carried"):
+            tokens[:] = out.outputs[0].token_ids
+        return out.outputs[0].finish_reason
+
+    done = asyncio.run_coroutine_threadsafe(long_request(), loop)
+    wait_until(lambda: len(tokens) >= 4, "the long request's first tokens", DEADLINE_S)
+    run(pause(llm, "keep", clear_cache=False))  # frozen: it is certain to span the swap
+    try:
+        at = len(tokens)
+        sync.update(new.state_dict(), 8, beside=True, pause_mode="carry")
+        assert not done.done()
+    finally:
+        run(llm.resume_generation())
+    assert done.result(DEADLINE_S) == "length" and len(tokens) == 200
+    assert [s["carry"]["requests_kept"] for s in seen.answers] == [1, 1], seen.answers
+    # Its tokens: the old model's, then the new model continuing the KV computed with the old.
+    reference = hf_greedy(old, [LONG], 200)[0]
+    k_max = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), 200)
+    assert at <= k_max, (at, k_max)
+    fits = [k for k in range(at, k_max + 1)
+            if tokens[k:k + MAX_TOKENS] == carried(old, new, LONG, tokens[:k], MAX_TOKENS)]
+    assert fits, (at, k_max, tokens[:k_max + MAX_TOKENS])
+    assert tokens[fits[0]:fits[0] + MAX_TOKENS] != hf_greedy(
+        new, [LONG + tokens[:fits[0]]], MAX_TOKENS)[0]  # not recomputed: carried KV differs
+    # After the swap: LONG's cached block was dropped, and the carried request's second block
+    # (filled after the swap) is never found: a follow-up turn over its output, asked twice (the
+    # second hits the first's blocks), equals transformers' with the new weights.
+    assert greedy(llm, loop, "long-after", [LONG]) == hf_greedy(new, [LONG], MAX_TOKENS)
+    turn = LONG + tokens[:150]
+    want = hf_greedy(new, [turn], MAX_TOKENS)
+    assert greedy(llm, loop, "turn-1", [turn]) == want
+    assert greedy(llm, loop, "turn-2", [turn]) == want
+    assert states(sync) == [(8, True, "")] * 2
 
 
 def _doomed_trainer(cfg: dict, go, seed: int) -> None:
@@ -243,3 +367,4 @@ def test_a_trainer_killed_mid_receive_leaves_the_served_weights(engine):
         assert greedy(llm, loop, "after-11") == hf_greedy(model, PROMPTS, MAX_TOKENS)
     finally:
         fresh.close()
+

@@ -113,6 +113,13 @@ def as_push_error(e: BaseException, what: str, side: str) -> PushError:
     return PushError(f"{what} on {side}: {clip(repr(e))}")
 
 
+CARRY_RPC = "nccl_sync_swap_carry"
+"""The worker RPC of a swap with running requests kept in flight (`pause_mode="carry"`). vLLM's
+engine core takes it (`patches.vllm_swap_turn`); a worker it reaches answers, without loading,
+a summary whose `carry` is `CARRY_UNSUPPORTED`."""
+CARRY_UNSUPPORTED = "unsupported"
+
+
 @dataclass(slots=True)
 class WorkerSummary:
     """One worker's report of one update (or of a call that could not run one).

@@ -46,6 +46,13 @@ class CommitRound:
 
     def run(self, loader: WeightLoader, u: Update) -> None:
         """`Ack(1)`, `Commit(1)`; staged: then load everything, `Ack(2)`, `Commit(2)`."""
+        prepare = getattr(loader, "prepare", None)
+        if u.beside is not None and prepare is not None:  # before Ack: the swap comes after it
+            try:
+                prepare(u.staged_tensors)
+            except Exception:  # noqa: BLE001 - only a head start: the load does it all
+                log.exception("preparing the loader failed")
+            u.beside.mark("prepared")
         self._ack(1, u)
         if u.staged:
             u.exposed = True  # the sender may tell others to load from here on

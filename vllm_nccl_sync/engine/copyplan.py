@@ -14,6 +14,10 @@ switches replay off for the model, for good, with the reason kept (`off`). Each 
 names its parameters and is replayed only while those are the very same `Parameter` objects with
 the same storage, dtype and size, and the incoming tensor has the recorded dtype, shape and
 strides; anything else goes through the loader again (and is recorded again).
+
+A recording can also be made ahead, without touching the model (`rehearse`): the loader runs with
+every write into a parameter skipped, so an update received beside serving is recorded while the
+engine still serves and its swap replays from the first update on.
 """
 
 from __future__ import annotations
@@ -65,9 +69,11 @@ def _signature(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int
 class _Recorder(TorchDispatchMode):
     """Sees every ATen op while the loader runs (see the module)."""
 
-    def __init__(self, plan: CopyPlan) -> None:
+    def __init__(self, plan: CopyPlan, dry: bool = False) -> None:
         super().__init__()
         self.plan = plan
+        self.dry = dry
+        """Skip every write into a parameter (`rehearse`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,6 +82,11 @@ class _Recorder(TorchDispatchMode):
                 self.plan._see(func, args, kwargs)
         except Exception as e:  # noqa: BLE001 - an op this cannot read: load, never replay
             self.plan._disable(f"{func} could not be recorded: {e!r}")
+        if self.dry:  # a write into a parameter is recorded, never run (raises if unreadable)
+            into = [a for a in _written_args(func, args, kwargs) if isinstance(a, torch.Tensor)
+                    and a.numel() and _storage(a)[0] in self.plan._by_storage]
+            if into:
+                return into[0]
         out = func(*args, **kwargs)
         try:
             if not self.plan.off:
@@ -162,10 +173,41 @@ class CopyPlan:
         self.replayed += len(known)
         return done
 
+    def rehearse(self, batch: list[tuple[str, torch.Tensor]],
+                 load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]) -> int:
+        """Record `load_weights` on the batch's tensors without a valid entry, one tensor at a
+        time, skipping every write into a parameter (nothing of the model changes; call after
+        `refresh`); how many tensors were recorded. A tensor whose loader raises (e.g. into a
+        parameter it expects to be re-created first) is left to the real load."""
+        _, rest = self.split(batch)
+        held = {n: p.data for n, p in self._params.items()}
+        done = 0
+        try:
+            for item in rest:
+                if self.off:
+                    break
+                entries = dict(self.entries)
+                try:
+                    with self.recording([item], dry=True) as weights:
+                        load_weights(weights)
+                    done += 1
+                except Exception as e:  # noqa: BLE001 - the real load records it, as before
+                    log.debug("rehearsing %r failed, left to the load: %r", item[0], e)
+                    self.entries = entries
+        finally:  # `param.data = ...` is no ATen op: undo it, and never rehearse such a loader
+            moved = [n for n, p in self._params.items() if _storage(p) != _storage(held[n])]
+            for n in moved:
+                self._params[n].data = held[n]
+            if moved:
+                self._disable(f"the loader replaced the storage of {moved[0]!r}")
+        return 0 if self.off else done
+
     @contextlib.contextmanager
-    def recording(self, batch: list[tuple[str, torch.Tensor]]) -> Iterator[Iterable]:
+    def recording(self, batch: list[tuple[str, torch.Tensor]],
+                  dry: bool = False) -> Iterator[Iterable]:
         """Run the loader on the iterable this yields (the batch, each tensor marked current
-        as the loader takes it); what it wrote becomes the batch's entries."""
+        as the loader takes it); what it wrote becomes the batch's entries (`dry`: without
+        writing it, see `rehearse`)."""
         self._recording, self._fresh = {}, set()
 
         def marked() -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,7 +221,7 @@ class CopyPlan:
             yield iter(batch)
             return
         try:
-            with _Recorder(self):
+            with _Recorder(self, dry):
                 yield marked()
         finally:
             self._current = None

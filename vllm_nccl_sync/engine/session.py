@@ -26,7 +26,7 @@ from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.engine.residency import Residency, residency
 from vllm_nccl_sync.engine.shadow import BesideReceive, Shadow
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader
-from vllm_nccl_sync.outcomes import WorkerSummary
+from vllm_nccl_sync.outcomes import CARRY_UNSUPPORTED, WorkerSummary
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.protocol import AdapterSpec
 
@@ -184,6 +184,17 @@ class EngineSession:
         if not beside.running:
             self._beside = None
         return out
+
+    def cannot_carry(self) -> WorkerSummary:
+        """The answer to `outcomes.CARRY_RPC` when it reaches the worker: the engine around it
+        did not take the call (vLLM's engine core swaps and drops its prefix cache in one turn,
+        `patches.vllm_swap_turn`), so nothing is loaded; the trainer swaps under a pause."""
+        return WorkerSummary(
+            ok=False, rank=self.receiver.rank if self.receiver else -1,
+            version=self.state.version, consistent=self.state.consistent,
+            error="this engine cannot swap with requests in flight (its vLLM is not patched by "
+                  "vllm_nccl_sync.patches.vllm_swap_turn); swap under a pause",
+            extra={"carry": CARRY_UNSUPPORTED})
 
     def report(self) -> dict[str, Any]:
         """Weight version held, consistency, counters and adapter versions of this worker."""

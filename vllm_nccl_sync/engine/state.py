@@ -16,7 +16,10 @@ class WeightLoader(Protocol):
     `packing.RowLoader`): then the chunks of a tensor larger than a bucket are loaded as they
     arrive, rows of dim 0 at a time, instead of being reassembled in a staging copy first; it
     answers False at a tensor's first chunk when that tensor cannot be loaded piecewise. And it
-    may offer `stats` (a dict of what its last load took), reported in the update's summary.
+    may offer `stats` (a dict of what its last load took), reported in the update's summary,
+    and `prepare(named_tensors)`: called with a staged update received beside serving once it
+    verified, before any `begin` and while the engine still serves; it may get ready for
+    loading those tensors but must not change the model.
     """
 
     def begin(self) -> None: ...

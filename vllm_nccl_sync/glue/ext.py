@@ -58,6 +58,12 @@ class Ext:
             engine_call_s(session.receiver.cfg.timeout_s) if session.receiver is not None else 0.0)
         return session.swap(bound).to_dict()
 
+    def nccl_sync_swap_carry(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """`nccl_sync_swap` with running requests kept in flight: vLLM's engine core takes this
+        call (`patches.vllm_swap_turn`) and swaps and drops the prefix cache in one turn; a
+        worker it reaches is in an engine whose core did not, and refuses, loading nothing."""
+        return self._nccl_sync_session().cannot_carry().to_dict()
+
     def nccl_sync_state(self) -> dict[str, Any]:
         """Weight version held, consistency, counters and adapter versions of this worker."""
         return self._nccl_sync_session().report()

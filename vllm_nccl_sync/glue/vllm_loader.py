@@ -194,24 +194,40 @@ class VllmWeightLoader:
         self._replay = not lw and not self._fp8_blocks
         if self._replay:
             self._plan.replayed = 0
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            params.update(self.model.named_buffers(remove_duplicate=False))
-            self._plan.refresh(params)
+            self._plan.refresh(self._params())
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer under every name (what replayed copies may write)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(self.model.named_buffers(remove_duplicate=False))
+        return params
+
+    def _batch(self, named_tensors: list[tuple[str, torch.Tensor]]
+               ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors under vLLM's names; a tied alias dropped when its canonical name is in
+        the same batch, else loaded under the canonical name."""
+        names = {n for n, _ in named_tensors}
+        return [(self.aliases.get(n, n), t) for n, t in named_tensors
+                if n not in self.aliases or self.aliases[n] not in names]
+
+    @torch.no_grad()
+    def prepare(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Before a staged update is loaded, while the engine still serves: record what
+        `load_weights` would copy for these tensors without writing the model
+        (`CopyPlan.rehearse`), so the swap replays plain copies from the first update on."""
+        if self._unpacked is not None or self._fp8_blocks or self._layerwise():
+            return  # mid-update, or a load that is never replayed
+        self._plan.refresh(self._params())
+        self._plan.rehearse(self._batch(named_tensors), self.model.load_weights)
 
     @torch.no_grad()
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load one batch through `model.load_weights`; returns the vLLM parameter names it filled.
-
-        A tied alias (e.g. `lm_head.weight`) is dropped when its canonical name is in the same
-        batch, else loaded under the canonical name, so the shared tensor (and LM head) gets it."""
+        """Load one batch through `model.load_weights` (a tied alias such as `lm_head.weight`
+        under its canonical name, see `_batch`, so the shared tensor and LM head get it);
+        returns the vLLM parameter names it filled."""
         if self._unpacked is None:
             raise RuntimeError("VllmWeightLoader.load() called before begin()")
-        names = {n for n, _ in named_tensors}
-        batch = [
-            (self.aliases.get(n, n), t)
-            for n, t in named_tensors
-            if n not in self.aliases or self.aliases[n] not in names
-        ]
+        batch = self._batch(named_tensors)
         if self._fp8_blocks:  # bf16 for a block-FP8 weight: quantized as the checkpoint is
             from vllm_nccl_sync.patches.vllm_block_fp8 import expand
 

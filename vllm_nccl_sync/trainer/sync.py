@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_nccl_sync.outcomes import PushError, WorkerSummary, clip
+from vllm_nccl_sync.outcomes import (
+    CARRY_RPC,
+    CARRY_UNSUPPORTED,
+    PushError,
+    WorkerSummary,
+    clip,
+)
 from vllm_nccl_sync.trainer.adapters import adapter_update
 from vllm_nccl_sync.trainer.beside import Outcome, engine_call_s
 from vllm_nccl_sync.trainer.beside import beside as alongside
@@ -27,6 +33,9 @@ from vllm_nccl_sync.wire.protocol import AdapterSpec
 __all__ = ["EngineHandle", "WeightSync", "adapter_update", "free_port", "settle"]
 
 _DEFAULT = SyncConfig.defaults()
+PAUSE_MODES = ("abort", "wait", "keep", "carry")
+"""What happens to in-flight requests at an update: aborted, waited for, kept (frozen, then
+recomputed on the new weights) or carried (beside serving only: never paused, their KV kept)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -154,7 +163,9 @@ class WeightSync:
         """Push one complete update into every engine.
 
         Each engine is paused (`pause_mode`: `abort`, `wait` or `keep` its in-flight requests) for
-        the update and resumed with its prefix cache reset, whatever the outcome. Engines refuse a
+        the update and resumed with its prefix cache reset, whatever the outcome. With `beside`,
+        `pause_mode="carry"` pauses nothing: each engine swaps between two steps, its running
+        requests keep their KV and continue on the new weights (docs/serving.md). Engines refuse a
         `version` not newer than the one they hold unless `force`; `staged`, `dtype`, `adapter`
         (the tensors are this LoRA adapter's, see `update_adapter`) and `progress` are `push`'s.
 
@@ -166,8 +177,11 @@ class WeightSync:
         `errors`, `missing` and cause) with the workers' reports in `summaries`; a `PushError`
         naming the workers whose reports failed when the push itself succeeded.
         """
-        if pause_mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause_mode {pause_mode!r} must be 'abort', 'wait' or 'keep'")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r} must be one of {PAUSE_MODES}")
+        if pause_mode == "carry" and not beside:
+            raise ValueError("pause_mode 'carry' swaps an update received beside serving: "
+                             "pass beside=True")
         self.client.check(named_tensors, dtype=dtype, adapter=adapter)  # before engines wait
         push = partial(self.client.push, named_tensors, version, dtype=dtype, force=force,
                        adapter=adapter, progress=progress)
@@ -197,15 +211,16 @@ class WeightSync:
                 out.append(False)
         return out
 
-    def _hold(self, asleep: list[bool], mode: str) -> None:
-        """Pause every engine whose memory is awake."""
-        for e, a in zip(self.engines, asleep, strict=True):
+    def _hold(self, asleep: list[bool], mode: str,
+              engines: list[EngineHandle] | None = None) -> None:
+        """Pause every engine (of `engines`, default all) whose memory is awake."""
+        for e, a in zip(engines or self.engines, asleep, strict=True):
             if not a:
                 e.pause(mode)
 
-    def _release(self, asleep: list[bool]) -> None:
+    def _release(self, asleep: list[bool], engines: list[EngineHandle] | None = None) -> None:
         """Resume what `_hold` paused; an engine asleep only gets its prefix cache reset."""
-        for e, a in zip(self.engines, asleep, strict=True):
+        for e, a in zip(engines or self.engines, asleep, strict=True):
             if a:
                 e.reset_prefix_cache()  # type: ignore[attr-defined]
             else:
@@ -234,6 +249,8 @@ class WeightSync:
 
         def swap_all() -> list[Outcome]:
             turn.wait(bound)
+            if pause_mode == "carry" and verified.is_set():
+                return self._carry(asleep)
             paused = verified.is_set()  # else the push failed: collect the reports, no pause
             try:
                 if paused:
@@ -253,6 +270,25 @@ class WeightSync:
         done, (swapped,) = alongside([swap_all], pushed, t, name="nccl-sync-beside")
         answers = swapped.value if swapped.ok else [swapped] * len(self.engines)
         return settle(version, done, answers, self.engines, self.offsets)
+
+    def _carry(self, asleep: list[bool]) -> list[Outcome]:
+        """Every engine's swap in one turn of its engine core, requests kept in flight
+        (`patches.vllm_swap_turn`); an engine whose core does not take that call swaps under a
+        `keep` pause instead."""
+        t = self.cfg.timeout_s
+        bound = engine_call_s(t)
+        outs = alongside(self._calls(CARRY_RPC, bound), lambda: None, t,
+                         name="nccl-sync-carry")[1]
+        for i, (e, o) in enumerate(zip(self.engines, outs, strict=True)):
+            if o.ok and any(s.get("carry") == CARRY_UNSUPPORTED for s in o.value):
+                self._hold(asleep[i:i + 1], "keep", [e])
+                try:
+                    outs[i] = Outcome(e.call("nccl_sync_swap", bound, timeout=bound))
+                except Exception as err:  # noqa: BLE001 - reported like a failed call
+                    outs[i] = Outcome(error=err)
+                finally:
+                    self._release(asleep[i:i + 1], [e])
+        return outs
 
     def update_adapter(
         self,
