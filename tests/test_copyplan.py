@@ -172,3 +172,25 @@ def test_a_rehearsal_that_replaces_a_parameters_storage_is_undone():
     plan.refresh(params(m))
     assert plan.rehearse(weights(1), m.load_weights) == 0
     assert "'proj'" in plan.off and m.proj.data_ptr() == held and not m.proj.any()
+
+
+def test_replayed_writes_that_overlap_keep_their_order():
+    class Overlap(torch.nn.Module):  # "b" overwrites part of what "a" wrote
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(8))
+
+        @torch.no_grad()
+        def load_weights(self, weights):
+            for name, w in weights:
+                (self.p.data[0:6] if name == "a" else self.p.data[4:8]).copy_(w)
+            return {"p"}
+
+    m, plan = Overlap(), CopyPlan()
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        batch = [("a", torch.randn(6, generator=g)), ("b", torch.randn(4, generator=g))]
+        plan.refresh(params(m))
+        plan.load(batch, m.load_weights)
+        assert torch.equal(m.p, torch.cat([batch[0][1][:4], batch[1][1]]))
+    assert plan.replayed == 2

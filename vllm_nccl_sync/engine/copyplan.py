@@ -159,17 +159,36 @@ class CopyPlan:
     def replay(self, known: list[tuple[_Entry, torch.Tensor]]) -> set[str]:
         """Run the recorded writes; the parameter names written."""
         done: set[str] = set()
+        run: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies not yet issued
+        spans: dict[str, list[tuple[int, int]]] = {}  # what the run writes, per parameter
+        blocking = False
+
+        def issue() -> None:  # one call for a run of copies (never overlapping: any order)
+            if run[0]:
+                torch._foreach_copy_(run[0], run[1], non_blocking=not blocking)
+                run[0].clear()
+                run[1].clear()
+                spans.clear()
+
         for e, t in known:
             base = t.storage_offset()  # recorded offsets are within t (contiguous)
             for op in e.ops:
                 p = self._params[op.param]
                 dst = p.as_strided(op.dst[1], op.dst[2], op.dst[0])
                 if op.src is None:
+                    issue()
                     dst.fill_(op.value)
-                else:
-                    dst.copy_(t.as_strided(op.src[1], op.src[2], base + op.src[0]),
-                              non_blocking=op.non_blocking)
+                    continue
+                lo, hi = op.dst[0], op.dst[0] + _span(op.dst[1], op.dst[2])
+                if run[0] and (blocking == op.non_blocking or any(
+                        a < hi and lo < b for a, b in spans.get(op.param, ()))):
+                    issue()  # in recorded order: a write the run must not reorder
+                spans.setdefault(op.param, []).append((lo, hi))
+                blocking = not op.non_blocking
+                run[0].append(dst)
+                run[1].append(t.as_strided(op.src[1], op.src[2], base + op.src[0]))
             done.update(e.params)
+        issue()
         self.replayed += len(known)
         return done
 
@@ -297,6 +316,13 @@ def _written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return out
 
 
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from a view's first to one past its last (0 when empty)."""
+    if 0 in shape:
+        return 0
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride, strict=True))
+
+
 def _within(src: Any, t: torch.Tensor) -> int | None:
     """The element offset of view `src` in tensor `t` (same dtype, inside `t`'s bytes), or
     None if `src` is not such a view."""
@@ -308,8 +334,7 @@ def _within(src: Any, t: torch.Tensor) -> int | None:
     start = src.data_ptr() - t.data_ptr()
     if start < 0 or start % item:
         return None
-    span = 1 + sum((n - 1) * s for n, s in zip(src.shape, src.stride(), strict=True)) \
-        if src.numel() else 0
+    span = _span(tuple(src.shape), tuple(src.stride()))
     if any(s < 0 for s in src.stride()) or start // item + span > math.prod(t.shape):
         return None
     return start // item
