@@ -40,6 +40,7 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
     out = {**u, "push_s": push["t1"] - push["t0"], "push_reported_s": push["reported_s"],
            "buckets": push["buckets"], "rpc_s": rpc and rpc["t1"] - rpc["t0"],
            "rx_s": rpc and [s.get("seconds") for s in rpc["result"]],
+           "carry": rpc and [s.get("carry") for s in rpc["result"] if s.get("carry")],
            "calls": sorted(ev),
            "tokens_during_push": sum(push["t0"] < t < push["t1"] for t in times)}
     if gap is None:
