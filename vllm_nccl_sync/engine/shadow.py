@@ -142,6 +142,14 @@ class Shadow:
             yield
         self._stream.synchronize()
 
+    def quiesce(self) -> None:
+        """Every kernel queued on the engine's device so far has run. The swap's copies run on
+        this shadow's own stream, while a step of the engine may still be executing (vLLM's
+        asynchronous scheduling takes the swap call with a batch in flight): without this, that
+        step could read weights half swapped."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def settle(self) -> None:
         """Every copy this thread queued ran (before the swap's caller goes on)."""
         if self._stream is not None:
@@ -221,7 +229,9 @@ class BesideReceive:
         return not self._done.is_set()
 
     def swap(self, timeout_s: float) -> WorkerSummary:
-        """Open the gate and wait (at most `timeout_s`) for the update's end; its summary."""
+        """Open the gate and wait (at most `timeout_s`) for the update's end; its summary.
+        Called by the engine between two steps (an RPC), on the engine's thread."""
+        self.shadow.quiesce()
         self._go.set()
         if not self._done.wait(timeout_s):
             return WorkerSummary(ok=False, rank=-1, error=(
