@@ -151,6 +151,7 @@ def summarise(updates: list[dict]) -> dict[str, dict]:
             "client_stall_max_s": mm([u["client_stall_s"]["max"] for u in ok]),
             "phases_s": {p: mm([u["phases_s"][p] for u in ok]) for p in (*PHASES, "other")},
             "max_gap_s": mm([u["max_gap_s"] for u in ok]),
+            "swap_gap_s": mm([u.get("swap_gap_s") for u in ok]),
             "receive_rate_ratio_min": min((u["receive_rate_ratio"] for u in ok
                                            if "receive_rate_ratio" in u), default=None),
             "target_met_all": all(u["target_met"] for u in ok),
@@ -174,13 +175,13 @@ def table(rep: dict) -> str:
              f"median (max) of {rep['updates_per_mode']} updates per mode, ms.", "",
              "Target: paused <= push + 20 ms; beside serving (`beside:`): longest token gap "
              "<= 20 ms. `rate`: decode rate while receiving / undisturbed (min).", "",
-             "| mode | paused | push | paused - push | target met | stall | longest gap | rate | "
-             "stall - push | worst client | " + " | ".join(PHASES) + " | other |",
-             "| --- " * (len(PHASES) + 11) + "|"]
+             "| mode | paused | push | paused - push | target met | stall | longest gap | swap gap "
+             "| rate | stall - push | worst client | " + " | ".join(PHASES) + " | other |",
+             "| --- " * (len(PHASES) + 12) + "|"]
     for mode, s in rep["summary"].items():
         lines.append(f"| {mode} | {ms(s['paused_s'])} | {ms(s['push_s'])} "
                      f"| {ms(s['paused_excess_s'])} | {'yes' if s['target_met_all'] else 'NO'} "
-                     f"| {ms(s['stall_s'])} | {ms(s['max_gap_s'])} "
+                     f"| {ms(s['stall_s'])} | {ms(s['max_gap_s'])} | {ms(s['swap_gap_s'])} "
                      f"| {s['receive_rate_ratio_min'] if s['receive_rate_ratio_min'] is not None else '-'} "
                      f"| {ms(s['excess_s'])} "
                      f"| {ms(s['client_stall_max_s'])} | "

@@ -74,8 +74,12 @@ class CommitRound:
             with self.plane.loading():
                 loader.begin()
                 u.began = True
+                if u.beside is not None:
+                    u.beside.mark("begun")
                 loader.load(u.staged_tensors)
                 u.staged_tensors = []
+                if u.beside is not None:
+                    u.beside.mark("copied")  # the copies queued; next, the post-load rule
                 loader.finish()
             if u.beside is not None:
                 u.beside.mark("loaded")  # the loaders and the post-load rule returned

@@ -260,9 +260,11 @@ class Receiver:
                 self._start(seq + 1, u)
             with self.plane.loading():
                 self._arrived(seq, u)
-                if seq == 0 and u.beside is not None:
-                    u.beside.mark("bucket0")
+                if u.beside is not None:
+                    u.beside.mark(f"bucket{seq}")
                 self._load(seq, loader, re, u)
+                if u.beside is not None:
+                    u.beside.mark(f"kept{seq}")
                 self.plane.loaded(seq)
             self._extend()
             if is_last:
