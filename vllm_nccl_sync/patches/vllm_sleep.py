@@ -18,13 +18,11 @@ do not know about sleep (docs/colocated.md says what that risks).
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
 from vllm_nccl_sync.engine.residency import residency
-
-log = logging.getLogger(__name__)
+from vllm_nccl_sync.patches import plugin
 
 SUPPORTED = ("0.26.", "0.32.")
 _MARK = "_vllm_nccl_sync_watched"
@@ -95,15 +93,10 @@ def watch(cls: type) -> list[str]:
 
 def install() -> None:
     """Apply the patch in this process where it applies (idempotent; never raises)."""
-    try:
-        import vllm
 
-        if not vllm.__version__.startswith(SUPPORTED):
-            log.warning("vllm_nccl_sync: vLLM %s is not one of %s: updates are not told about "
-                        "sleep mode", vllm.__version__, SUPPORTED)
-            return
+    def apply() -> None:
         from vllm.v1.worker.gpu_worker import Worker
 
         watch(Worker)
-    except Exception:  # noqa: BLE001 - a plugin must not stop vLLM from starting
-        log.exception("vllm_nccl_sync: could not watch vLLM's sleep mode")
+
+    plugin(apply, SUPPORTED, "updates are not told about sleep mode")

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from vllm_nccl_sync.outcomes import CARRY_RPC
+from vllm_nccl_sync.patches import plugin
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +116,11 @@ def _swap_in_turn(orig: Any) -> Any:
 
 def install() -> None:
     """Apply the patch in this process where it applies (idempotent; never raises)."""
-    try:
-        import vllm
 
-        if not vllm.__version__.startswith(SUPPORTED):
-            log.warning("vllm_nccl_sync: vLLM %s is not one of %s: pause_mode='carry' swaps "
-                        "under a keep pause", vllm.__version__, SUPPORTED)
-            return
+    def apply() -> None:
         from vllm.v1.engine.core import EngineCore
 
         if not getattr(EngineCore.collective_rpc, _MARK, False):
             EngineCore.collective_rpc = _swap_in_turn(EngineCore.collective_rpc)
-    except Exception:  # noqa: BLE001 - a plugin must not stop vLLM from starting
-        log.exception("vllm_nccl_sync: could not install the in-turn swap")
+
+    plugin(apply, SUPPORTED, "pause_mode='carry' swaps under a keep pause")
