@@ -123,8 +123,10 @@ def test_segments_of_another_name_or_size_are_refused_before_mapping():
         unlink_segment(seg)
 
 
-def test_a_join_record_of_another_bucket_size_is_refused():
-    """A sender whose buffers are not the size this receiver's config agreed to."""
+def test_a_join_record_of_another_bucket_size_is_refused(monkeypatch):
+    """A sender whose buffers are not the size this receiver's config agreed to; it leaves no
+    segment behind (named apart from any other run's on this host)."""
+    monkeypatch.setattr(shared, "PREFIX", f"{shared.PREFIX}{os.getpid()}-")
     mine = _cfg(timeout_s=2.0)
     theirs = SyncConfig(**{**mine.to_dict(), "bucket_bytes": 8192})
     box: dict = {}
