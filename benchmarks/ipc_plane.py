@@ -40,7 +40,7 @@ def make(seed: int) -> dict[str, torch.Tensor]:
 
 
 
-def trainer(cfg: dict, reps: int, check: bool) -> dict:
+def trainer(cfg: dict, reps: int, check: bool, in_place: bool = True) -> dict:
     """The floor, then `reps` pushes; int64 sums of every tensor's bits."""
     from vllm_nccl_sync import PushClient, SyncConfig
     torch.cuda.set_device(0)
@@ -55,7 +55,7 @@ def trainer(cfg: dict, reps: int, check: bool) -> dict:
     ts = []
     for v in range(1, reps + 1):
         torch.cuda.synchronize(); t0 = time.perf_counter()
-        cli.push(named.items(), version=v)
+        cli.push(named if in_place else named.items(), version=v)  # a stream is packed
         torch.cuda.synchronize(); ts.append(time.perf_counter() - t0)
     sums = {n: int(t.view(torch.int16).to(torch.int64).sum()) for n, t in named.items()} if check else {}
     cli.close()
@@ -82,12 +82,15 @@ def receiver(cfg: dict, reps: int, check: bool) -> dict:
 
 if __name__ == "__main__":
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 7
-    for bucket_mib, checks in [(1024, None), (1024, False), (256, None), (2048, None)]:
+    for in_place, bucket_mib, checks in [(True, 1024, None), (True, 1024, False),
+                                         (False, 1024, None), (False, 2048, None)]:
         cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="ipc",
                    bucket_bytes=bucket_mib << 20, timeout_s=60.0, bucket_checksums=checks)
-        tr, rx = run_procs([(trainer, (cfg, reps, True)), (receiver, (cfg, reps, True))], 500)
+        tr, rx = run_procs([(trainer, (cfg, reps, True, in_place)),
+                            (receiver, (cfg, reps, True))], 500)
         push = sorted(tr["push_s"][1:])
-        print(json.dumps({"bucket_mib": bucket_mib, "checksums": checks, "GB": tr["nbytes"] / 1e9,
+        print(json.dumps({"in_place": in_place, "bucket_mib": bucket_mib, "checksums": checks,
+                          "GB": tr["nbytes"] / 1e9,
                           "floor_ms_min": tr["floor_s"][0] * 1e3, "push_ms": [round(x * 1e3, 2) for x in tr["push_s"]],
                           "push_ms_median": push[len(push) // 2] * 1e3,
                           "ratio_to_floor": push[len(push) // 2] / tr["floor_s"][0],

@@ -541,6 +541,8 @@ class StandInTransport:
     digest_per_bucket = True
     canary_bytes = 8
     shares_buffers = False
+    backend = "stand-in"
+    export, mapped, keep_mapped = Transport.export, Transport.mapped, Transport.keep_mapped  # none
 
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")

@@ -6,8 +6,11 @@ them in place, from the trainer's exported buffers. The receiver's loads are slo
 device (a spin kernel before each bucket's copies), so a sender that refilled a buffer before
 the copies out of it had *executed* would corrupt the result, and a receiver that read a buffer
 before the sender's pack into it executed would fail the checksum: bit-exactness shows neither
-happens. Faults: a trainer killed between buckets, a receiver killed mid-update,
-a handle claiming more memory than its allocation.
+happens. A state dict's large tensors are read where they lie in the trainer's memory (the
+trainer zeroes them as soon as its push returns: the engine's copies must have run by its Ack);
+with expandable segments they are packed instead. Faults: a trainer killed between buckets, a
+receiver killed mid-update, a handle claiming more memory than its allocation, headers naming
+memory outside what the trainer exported.
 
 Run: `python -m pytest -q -m gpu tests/test_gpu_ipc.py`.
 """
@@ -200,7 +203,7 @@ def forging_receiver(cfg: dict) -> str:
     real = ipc.IpcTransport._open
 
     def forged(self, handle, nbytes, keep):
-        info = msgspec.msgpack.decode(handle, type=ipc.IpcBuffers)
+        info = msgspec.msgpack.decode(handle, type=ipc.IpcMemory)
         # past the driver's allocation (the caching allocator's segment may hold more than
         # the export: a claim inside it maps, one beyond it must be refused)
         bigger = msgspec.structs.replace(info, storage_bytes=info.storage_bytes + (1 << 30))
@@ -230,3 +233,97 @@ def test_a_handle_claiming_more_than_its_allocation_is_refused_before_use():
     cfg["timeout_s"] = 10.0
     sent, why = run_procs([(joining_trainer, (cfg,)), (forging_receiver, (cfg,))], DEADLINE)
     assert "its allocation maps" in why and sent != "connected"
+
+
+def in_place_trainer(cfg: dict, seeds: list[int], forge: str = "") -> list[dict]:
+    """Pushes each seed's tensors as a state dict from memory allocated the default way (so it
+    can be exported): its large tensors are read where they lie. `forge`: headers name a range
+    past the segment ("past") or a segment never exported ("unknown")."""
+    from vllm_nccl_sync import PushClient, SyncConfig
+    from vllm_nccl_sync.planes import ipc
+    from vllm_nccl_sync.wire.protocol import Source
+
+    if forge:
+        real = ipc.IpcTransport.export
+
+        def export(self, t):
+            at = real(self, t)
+            if at is None:
+                return None
+            return Source(at.segment, at.offset + (1 << 40)) if forge == "past" else Source(999, 0)
+
+        ipc.IpcTransport.export = export
+    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
+    client.connect()
+    out = []
+    for seed in seeds:
+        named = {n: t.cuda() for n, t in tensors(seed).items()}
+        try:
+            r = client.push(named, version=seed)
+            out.append({"ok": True, "acks": [a.rank for a in r.acks],
+                        "in_place": len(client.lane.held)})
+        except Exception as e:  # noqa: BLE001
+            out.append({"ok": False, "error": str(e)})
+        for t in named.values():  # the trainer moves on at once: the engine must be done
+            t.zero_()
+    client.close()
+    return out
+
+
+def test_a_state_dict_is_read_where_it_lies_bit_exact_and_the_trainer_writes_only_after_the_ack():
+    cfg, seeds = _cfg(), [1, 2, 3]
+    sent, got = run_procs([(in_place_trainer, (cfg, seeds)), (receiver, (cfg, len(seeds)))],
+                          DEADLINE)
+    assert all(s["ok"] and s["acks"] == [1] for s in sent), sent
+    assert all(s["in_place"] == 4 for s in sent), sent  # the embedding's 3 chunks, the mlp
+    for seed, upd in zip(seeds, got["updates"], strict=True):
+        assert upd["summary"]["ok"] and upd["summary"]["version"] == seed, upd["summary"]
+        assert upd["digests"] == digests(tensors(seed))  # loads slowed down on the device
+    assert got["in_place"]
+
+
+def test_a_state_dict_under_expandable_segments_arrives_bit_exact():
+    """PyTorch 2.11 exports expandable segments over CUDA IPC (read in place); a PyTorch that
+    cannot has them packed instead."""
+    cfg = _cfg()
+    sent, got = run_procs([(trainer_dict_expandable, (cfg,)), (receiver, (cfg, 1))], DEADLINE)
+    assert sent["ok"] and sent["in_place"] in (0, 4), sent
+    assert got["updates"][0]["summary"]["ok"]
+    assert got["updates"][0]["digests"] == digests(tensors(4))
+
+
+def trainer_dict_expandable(cfg: dict) -> dict:
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    from vllm_nccl_sync import PushClient, SyncConfig
+
+    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
+    client.connect()
+    client.push({n: t.cuda() for n, t in tensors(4).items()}, version=4)
+    held = len(client.lane.held)
+    client.close()
+    return {"ok": True, "in_place": held}
+
+
+@pytest.mark.parametrize("forge,why", [("past", "lie past its"),
+                                       ("unknown", "never exported by the sender")])
+def test_a_header_naming_memory_outside_what_was_exported_is_refused_before_any_load(forge, why):
+    cfg = _cfg()
+    sent, got = run_procs([(in_place_trainer, (cfg, [1, 2], forge)),
+                           (receiver_of_refusals, (cfg,))], DEADLINE)
+    assert not sent[0]["ok"] and why in sent[0]["error"], sent
+    assert got["first"]["version"] == -1 and why in got["first"]["error"]
+    assert got["digests"] == digests({n: torch.zeros_like(t) for n, t in tensors(0).items()})
+
+
+def receiver_of_refusals(cfg: dict) -> dict:
+    from vllm_nccl_sync import SyncConfig
+    from vllm_nccl_sync.engine.receiver import Receiver
+
+    torch.cuda.set_device(0)
+    targets = {n: torch.zeros_like(t, device="cuda") for n, t in tensors(0).items()}
+    rx = Receiver(SyncConfig(**cfg), 1, device=torch.device("cuda", 0))
+    first = rx.receive(SlowLoader(targets, 0), timeout_s=60)
+    rx.receive(SlowLoader(targets, 0), timeout_s=60)
+    torch.cuda.synchronize()
+    rx.close()
+    return {"first": first, "digests": digests(targets)}

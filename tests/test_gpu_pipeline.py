@@ -157,7 +157,8 @@ def test_cuda_pipeline_is_bit_exact(monkeypatch, mode):
         import vllm_nccl_sync.engine.dataplane as dp
 
         real = dp.checksum_gpu
-        monkeypatch.setattr(dp, "checksum_gpu", lambda b: real(b) + 1)
+        monkeypatch.setattr(dp, "checksum_gpu",
+                            lambda b: real(b)._replace(nbytes=b.numel() + 1))
         out = {}
         th = threading.Thread(target=lambda: out.setdefault(
             "s", rx.receive(ModuleLoader(model), 30.0)))

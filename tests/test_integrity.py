@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu, read_back
 
-N = 3 * 4096 + 8 * 5 + 3  # whole 512-byte rows, a tail of words, and loose bytes
+N = 3 * 4096 + 8 * 5 + 3  # whole 4 KiB rows, a tail of words, and loose bytes
 
 
 def _faults(data: torch.Tensor) -> dict[str, torch.Tensor]:
     """Copies of `data` as a faulty transfer could leave them."""
     out: dict[str, torch.Tensor] = {}
-    for pos in (0, 7, 511, 512, 4096 * 2 + 77, N - 45, N - 9, N - 1):  # rows, tail, loose bytes
+    for pos in (0, 7, 4095, 4096, 4096 * 2 + 77, N - 45, N - 9, N - 1):  # rows, tail, loose
         t = data.clone()
         t[pos] ^= 0x10
         out[f"bit flip at {pos}"] = t
     t = data.clone()
-    t[0:512], t[512:1024] = data[512:1024].clone(), data[0:512].clone()
+    t[0:4096], t[4096:8192] = data[4096:8192].clone(), data[0:4096].clone()
     out["two rows swapped"] = t
     t = data.clone()
     t[1:] = data[:-1].clone()
@@ -44,7 +44,7 @@ def test_faults_change_the_checksum(fn: str) -> None:
         data = data.cuda()
 
     def value(t: torch.Tensor) -> int:
-        return checksum(t) if fn == "cpu" else int(checksum_gpu(t))
+        return checksum(t) if fn == "cpu" else read_back([checksum_gpu(t)])[0]
 
     ref = value(data)
     assert ref == value(data.clone()) and 0 < ref < 2**63 and ref % 2 == 1
@@ -58,3 +58,12 @@ def test_cpu_checksum_ignores_the_start_address() -> None:
     data = torch.randint(0, 256, (N + 3,), dtype=torch.uint8, generator=g)
     assert checksum(data[3:]) == checksum(data[3:].clone())
     assert checksum(data[:0]) == checksum(torch.empty(0, dtype=torch.uint8)) != 0
+
+
+def test_gpu_checksum_equals_the_cpu_one() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (N + 3,), dtype=torch.uint8, generator=g)
+    for view in (data, data[3:], data[:511], data[:0]):
+        assert read_back([checksum_gpu(view.cuda())]) == [checksum(view)]

@@ -25,6 +25,7 @@ from vllm_nccl_sync.wire.protocol import (
     Seal,
     Sent,
     Slot,
+    Source,
     TensorSpec,
     decode,
     encode,
@@ -189,3 +190,15 @@ def test_a_nested_header_of_another_protocol_is_refused():
     with pytest.raises(ProtocolError, match=f"bucket 2 of the plan speaks protocol 1, this side {P}"):
         decode(encode(plan))
     assert decode(encode(msgspec.structs.replace(plan, buckets=plan.buckets[:2]))).buckets[1].seq == 1
+
+
+def test_a_bucket_read_where_it_lies_holds_one_slot_and_round_trips():
+    one = msgspec.structs.replace(header([Slot("a", "bfloat16", [32], 0, 64)], 64),
+                                  at=Source(3, 128))
+    assert decode(encode(one)) == one
+    validate_header(one, 0, CAP)
+    two = msgspec.structs.replace(header([Slot("a", "bfloat16", [32], 0, 64),
+                                          Slot("b", "bfloat16", [32], 64, 64)], 128),
+                                  at=Source(3, 128))
+    with pytest.raises(ValueError, match="one slot only"):
+        validate_header(two, 0, CAP)

@@ -28,7 +28,7 @@ import vllm_nccl_sync.engine.receiver as receiver_mod
 from tests.conftest import free_port
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
-from vllm_nccl_sync.planes.base import open_transport
+from vllm_nccl_sync.planes.base import Transport, open_transport
 from vllm_nccl_sync.wire import channel, frames
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.integrity import checksum
@@ -234,6 +234,8 @@ class _StandIn:
     digest_per_bucket = True
     canary_bytes = 8
     shares_buffers = False
+    backend = "stand-in"
+    export, mapped, keep_mapped = Transport.export, Transport.mapped, Transport.keep_mapped  # none
 
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")

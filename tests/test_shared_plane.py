@@ -229,3 +229,35 @@ def test_a_receiver_killed_mid_update_is_reported_by_the_trainer_long_before_the
     sent, _ = run_procs([(_sender, (cfg, [(1, False)])), (_dying_receiver, (cfg,))], 120,
                         allow_killed={1})
     assert not sent[0]["ok"] and "rank 1" in sent[0]["error"], sent
+
+
+def _forging_sender(cfg: dict) -> list[dict]:
+    """Update 1: every large tensor's header claims its bytes lie in memory the receiver maps
+    (`at`), which the shm plane never offers; update 2: an honest push."""
+    from vllm_nccl_sync.planes.shm import ShmTransport
+    from vllm_nccl_sync.wire.protocol import Source
+
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    out = []
+    for v in (1, 2):
+        ShmTransport.export = (lambda self, t: Source(0, 0)) if v == 1 else Transport.export
+        try:
+            client.push(model_tensors(seed=v), version=v)
+            out.append({"ok": True})
+        except Exception as e:  # noqa: BLE001
+            out.append({"ok": False, "error": str(e)})
+    client.close()
+    return out
+
+
+def test_headers_naming_sender_memory_are_refused_on_a_plane_that_maps_none():
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
+               bucket_bytes=16 * 1024, timeout_s=30.0)
+    sent, got = run_procs([(_forging_sender, (cfg,)), (_receiver, (cfg, 2, -1))], 120)
+    assert not sent[0]["ok"] and "maps no sender memory" in sent[0]["error"], sent
+    assert not got[0]["summary"]["ok"] and not got[0]["loaded"]
+    assert "maps no sender memory" in got[0]["summary"]["error"]
+    assert sent[1] == {"ok": True} and got[1]["summary"]["ok"]
+    assert got[1]["digests"] == {n: (digest(t), str(t.dtype), list(t.shape))
+                                 for n, t in model_tensors(2).items()}

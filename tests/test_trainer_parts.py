@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
+from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.rounds import Rounds
 from vllm_nccl_sync.trainer.sync import WeightSync, free_port
@@ -133,6 +134,8 @@ class FakePlane:
     device = torch.device("cpu")
     digest_per_bucket = True
     shares_buffers = False
+    backend = "stand-in"
+    export, mapped, keep_mapped = Transport.export, Transport.mapped, Transport.keep_mapped  # none
 
     def __init__(self, fail_at: int = -1) -> None:
         self.posted: list[torch.Tensor] = []

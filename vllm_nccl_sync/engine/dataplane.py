@@ -27,7 +27,7 @@ import torch
 
 from vllm_nccl_sync.outcomes import clip
 from vllm_nccl_sync.planes.base import Transport
-from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu
+from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu, read_back
 from vllm_nccl_sync.wire.protocol import BucketHeader, Seal
 
 _MASK = (1 << 64) - 1
@@ -59,6 +59,9 @@ class ReceivePlane:
             self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
                                         pin_memory=feeds_cuda) for _ in range(2)]
         self._pinned_for = engine if feeds_cuda else None
+        self.in_place: dict[int, torch.Tensor] = {}
+        """Buckets read where they lie in the sender's memory (`BucketHeader.at`), by seq."""
+        self.read_in_place = 0
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self._issue = torch.cuda.Stream(self.device)
@@ -90,6 +93,8 @@ class ReceivePlane:
 
     def begin(self) -> None:
         """A new update: CUDA loads queue after whatever the engine queued before."""
+        self.in_place.clear()
+        self.read_in_place = 0
         if self.cuda:
             self._load.wait_stream(torch.cuda.current_stream(self.device))
             for ev in self._free:
@@ -99,8 +104,26 @@ class ReceivePlane:
         """Where loads run: the load stream on CUDA, the current thread elsewhere."""
         return torch.cuda.stream(self._load) if self.cuda else contextlib.nullcontext()
 
+    def mapping_problem(self, headers: list[BucketHeader], rank: int, plan: bool = False) -> str:
+        """Why headers naming the sender's memory (`at`) cannot be read ("" if they can): a
+        plane that maps none, a segment never exported, on another GPU, or a range past it.
+        Each segment is mapped once; a `plan` unmaps what it no longer names."""
+        if plan:
+            for src, t in enumerate(self.transports):
+                t.keep_mapped({h.at.segment for h in headers if h.at is not None and h.src == src})
+        for h in headers:
+            if h.at is not None:
+                try:
+                    self.transports[h.src].mapped(h.at, h.length)
+                except (ValueError, RuntimeError) as e:
+                    return f"rank {rank} refused bucket {h.seq}: {clip(str(e))}"
+        return ""
+
     def post(self, header: BucketHeader, seq: int) -> tuple[Any, torch.Tensor | None]:
-        """Post the collective filling buffer seq % 2; returns its handle and canary (if any)."""
+        """Post the collective filling buffer seq % 2; returns its handle and canary (if any).
+        A bucket read where it lies posts nothing: its handle holds the mapped bytes."""
+        if header.at is not None:
+            return _Mapped(self.transports[header.src].mapped(header.at, header.length)), None
         i, length = seq % 2, header.length
         buf, t = self.buffers[i], self.transports[header.src]
         if self.canary_bytes:
@@ -118,9 +141,13 @@ class ReceivePlane:
 
     def arrived(self, seq: int, length: int, work: Any) -> Any:
         """Wait for bucket `seq`'s bytes (CUDA: the current stream waits) and return their
-        checksum: an int now (`digest_per_bucket`), else a 0-d device tensor queued beside."""
+        checksum: an int now (`digest_per_bucket`), else one queued beside on the device."""
         work.wait()
-        data = self.buffers[seq % 2][:length]
+        if isinstance(work, _Mapped):
+            data = self.in_place[seq] = work.data
+            self.read_in_place += 1
+        else:
+            data = self.buffers[seq % 2][:length]
         if self.digest_per_bucket:
             return checksum(data)  # while the sender's Digest (and bucket k+1) fly
         with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both
@@ -128,6 +155,11 @@ class ReceivePlane:
             got = checksum_gpu(data)
             self._cksum_done[seq % 2].record(self._cksum)
         return got
+
+    def bucket(self, seq: int) -> torch.Tensor:
+        """Where bucket `seq`'s bytes are to be unpacked from (once `arrived`)."""
+        got = self.in_place.get(seq)
+        return self.buffers[seq % 2] if got is None else got
 
     def overran(self, seq: int, length: int, canary: torch.Tensor | None) -> bool:
         """The bytes past `length` changed: the sender broadcast more than it announced."""
@@ -137,7 +169,10 @@ class ReceivePlane:
     def loaded(self, seq: int) -> None:
         """Bucket `seq`'s loads are queued: CUDA frees its buffer once they and its checksum ran;
         a pinned host buffer, once the copies out of it ran (a load may copy asynchronously); a
-        shared one goes back to the sender (on CUDA ordered after the loads)."""
+        shared one goes back to the sender (on CUDA ordered after the loads). A bucket read in
+        place frees nothing: the sender's memory is its own until this receiver's `Ack`."""
+        if self.in_place.pop(seq, None) is not None:
+            return
         if self._pinned_for is not None:
             torch.cuda.current_stream(self._pinned_for).synchronize()
         if self.cuda:
@@ -152,13 +187,15 @@ class ReceivePlane:
         if self.cuda:
             self.transports[0].wait_stream(self._load, timeout_s)
 
+    def settle_reads(self, timeout_s: float) -> None:
+        """Wait (bounded) until every read of the sender's memory in this update ran (the
+        sender may write it again once this receiver acknowledged)."""
+        if self.read_in_place:
+            self.settle(timeout_s)
+
     def values(self, sums: list[Any]) -> list[int | None]:
         """The checksums of `arrived` as ints (device ones read back in one go)."""
-        dev = [s for s in sums if isinstance(s, torch.Tensor)]
-        if not dev:
-            return list(sums)
-        it = iter(torch.stack(dev).tolist())
-        return [next(it) if isinstance(s, torch.Tensor) else s for s in sums]
+        return read_back(sums)
 
     def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:
         """Wait for every collective still posted (after a clean abort each completes; else
@@ -187,6 +224,16 @@ class ReceivePlane:
     def close(self) -> None:
         for t in self.transports:
             t.close()
+
+
+class _Mapped:
+    """A bucket read where it lies: nothing to wait for, its bytes are the sender's memory."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def wait(self) -> bool:
+        return True
 
 
 def digest_problem(rank: int, seq: int, got: int, theirs: int, require: bool) -> str:

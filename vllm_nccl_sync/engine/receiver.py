@@ -178,7 +178,8 @@ class Receiver:
         problem = (plan_problem(plan, self.rank, held, self.reference, self.adapters is not None)
                    or u.residency_problem(plan, self.residency, self.reference)
                    or self._shadow_problem(plan, u)
-                   or u.open(plan, self.reference))
+                   or u.open(plan, self.reference)
+                   or self.plane.mapping_problem(plan.buckets, self.rank, plan=True))
         if problem:
             u.failed, u.refused = problem, 0
             self.inbox.fail(u, problem, -1)
@@ -231,7 +232,7 @@ class Receiver:
             if u.refused < 0:
                 u.refused = u.accepted + 1
             return
-        problem = u.accept(header)
+        problem = u.accept(header) or self.plane.mapping_problem([header], self.rank)
         if problem:
             self.inbox.fail(u, problem, header.seq)
         else:
@@ -271,6 +272,7 @@ class Receiver:
                 break
             del u.headers[seq]
             u.seq = seq + 1
+        self.plane.settle_reads(self.cfg.timeout_s)  # the sender's memory is its own again
         seal = self._round.seal(u)
         if u.beside is not None:
             u.beside.mark("sealed")
@@ -325,15 +327,15 @@ class Receiver:
                 loader.begin()
                 u.began = True
             by_rows = re.loaded_by_rows
-            named = re.unpack(header, self.buffers[seq % 2])
+            named = re.unpack(header, self.plane.bucket(seq))
             u.ntensors += len(named) + re.loaded_by_rows - by_rows
             if u.staged:
                 keep = u.beside.shadow.keep if u.beside is not None else torch.clone
                 u.staged_tensors += [(n, keep(t)) for n, t in named]
                 if u.beside is not None:
                     u.staged_tensors += u.beside.shadow.take_completed()
-            elif named or header.is_last:
-                loader.load(named)
+            elif (named or header.is_last) and (ready := u.batched(named, header)) is not None:
+                loader.load(ready)
             if header.is_last:
                 re.finish()
         except Exception as e:  # the loader is user/vLLM code: report, don't crash

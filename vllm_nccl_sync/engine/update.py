@@ -67,8 +67,10 @@ class Update:
     in_step: bool = True
     """Every collective this receiver agreed to was joined (the group stays usable)."""
     sums: list[Any] = field(default_factory=list)
-    """Per bucket: the checksum of what arrived (int on the host, a 0-d tensor on a device)."""
+    """Per bucket: the checksum of what arrived (an int, or one queued on the device)."""
     staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    batch: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """Tensors of consecutive buckets read in place, handed to the loader in one call."""
     adapter: AdapterSpec | None = None
     """The LoRA adapter this update targets (None: base weights)."""
     beside: Any = None
@@ -136,6 +138,17 @@ class Update:
         self.held = r
         missing = reference.problems(plan.tensors, full=True) if plan.tensors else []
         return f"{where}: {r.discarded}; {self.rewrite_needed(missing)}" if missing else ""
+
+    def batched(self, named: list[tuple[str, torch.Tensor]],
+                header: BucketHeader) -> list[tuple[str, torch.Tensor]] | None:
+        """`named` added to the tensors waiting for the loader: all of them to load now, or None
+        while a run of buckets read in place goes on (one loader call for the run)."""
+        self.batch += named
+        after = self.headers.get(header.seq + 1)
+        if header.at is not None and after is not None and after.at is not None:
+            return None
+        ready, self.batch = self.batch, []
+        return ready
 
     def committed(self, st: ReceiverState) -> None:
         """Record this update, committed, in what the worker holds."""

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.protocol import Source
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,20 @@ class Transport(abc.ABC):
 
     def _release(self) -> None:
         """Free the group's resources on `close` (default: nothing beyond dropping it)."""
+
+    def export(self, t: torch.Tensor) -> Source | None:
+        """Sender: where `t`'s bytes lie in memory the receivers map, so its bucket is read in
+        place (`BucketHeader.at`); None (every plane but `ipc`): it travels by broadcast."""
+        return None
+
+    def mapped(self, at: Source, length: int) -> torch.Tensor:
+        """Receiver: the `length` bytes a header's `at` names, mapped; `ValueError` if this
+        plane maps no sender memory or the range is not the sender's."""
+        raise ValueError(f"the {self.backend} plane maps no sender memory: a bucket to be read "
+                         "where it lies cannot arrive on it")
+
+    def keep_mapped(self, segments: set[int]) -> None:
+        """Receiver: unmap the sender's memory segments other than `segments`."""
 
     @contextlib.contextmanager
     def armed(self, seconds: float, what: str) -> Iterator[None]:

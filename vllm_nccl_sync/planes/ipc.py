@@ -13,6 +13,17 @@ sender's pack into it, a receiver's loads and checksum out of it), observed in i
 in the other process sees only records that already executed, so a pack still queued would not
 be waited for (tried: the receiver checksummed a buffer before the sender's pack into it ran).
 Checksums: as on NCCL, on the device beside the copies, compared once at the `Seal`.
+
+Read in place (`export`/`mapped`): a tensor of a state dict that lies contiguous in exportable
+memory on the plane's GPU is not packed at all. Its storage is exported once (while it lives:
+a new storage, even at the same address, is a new segment), the segment's handle goes through
+the group's store, and its header names where its bytes lie (`BucketHeader.at`). Each receiver
+maps a segment once, checks the range before the plan is accepted, and its loader copies
+straight out of the trainer's memory: one copy per byte, and no handoff per bucket. The sender
+waits for its own GPU work before the `Go` (its tensors are final when a receiver reads them)
+and may write them again only after every receiver's `Ack`, which each sends once its copies
+out of them have executed. Segments a plan no longer names are unmapped when the next plan
+comes, so the trainer's allocator can reuse that memory.
 """
 
 from __future__ import annotations
@@ -25,13 +36,15 @@ from typing import Any
 
 import msgspec
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from vllm_nccl_sync.planes.base import register
 from vllm_nccl_sync.planes.shared import SharedTransport
+from vllm_nccl_sync.wire.protocol import Source
 
 
-class IpcBuffers(msgspec.Struct, frozen=True):
-    """The sender's exported allocation (PyTorch's CUDA IPC fields) and its events."""
+class IpcMemory(msgspec.Struct, frozen=True):
+    """A storage the sender exported (PyTorch's CUDA IPC fields) and the GPU it lies on."""
 
     uuid: str
     handle: bytes
@@ -74,6 +87,36 @@ def mapped_bytes(ptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
+def share(storage: torch.UntypedStorage, device: torch.device) -> IpcMemory:
+    """Export `storage` over CUDA IPC (`RuntimeError` where it cannot be: expandable segments)."""
+    _, handle, size, offset, ref_handle, ref_offset, ev, sync = storage._share_cuda_()
+    return IpcMemory(gpu_uuid(device), handle, size, offset, ref_handle, ref_offset, ev, bool(sync))
+
+
+def open_shared(info: IpcMemory, device: torch.device, need: int, what: str) -> torch.Tensor:
+    """The bytes of an exported storage, mapped, as flat uint8 on `device`: after checking that
+    it lies on this GPU, holds `need` bytes and that the driver maps all it claims; `ValueError`
+    naming `what` and the problem otherwise."""
+    mine = gpu_uuid(device)
+    if info.uuid != mine:
+        raise ValueError(f"{what} is on GPU {info.uuid}, this worker is on {mine}: the ipc plane "
+                         "needs both on one GPU (use nccl)")
+    if info.storage_bytes < need or info.storage_offset < 0:
+        raise ValueError(f"{what} holds {info.storage_bytes} bytes, {need} needed")
+    with torch.cuda.device(device):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device.index, info.handle, info.storage_bytes, info.storage_offset,
+            info.ref_handle, info.ref_offset, info.event_handle, info.event_sync)
+        base, size = mapped_bytes(storage.data_ptr())
+        if storage.data_ptr() + info.storage_bytes > base + size:
+            raise ValueError(f"{what}: its handle claims {info.storage_bytes} bytes, its "
+                             f"allocation maps {size - (storage.data_ptr() - base)} from there: "
+                             "refused")
+        flat = torch.empty(0, dtype=torch.uint8, device=device)
+        flat.set_(storage, 0, (info.storage_bytes,), (1,))
+    return flat
+
+
 @register("ipc")
 class IpcTransport(SharedTransport):
     """CUDA buckets in one exported allocation that a receiver on the same GPU maps once."""
@@ -92,38 +135,71 @@ class IpcTransport(SharedTransport):
             raise ValueError(f"the ipc plane moves CUDA memory, not {dev}")
         return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
+    def _group(self, store: Any, cfg: Any) -> Any:
+        self._exports: dict[int, tuple[int, StorageWeakRef]] = {}  # storage address -> segment
+        self._mapped: dict[int, torch.Tensor] = {}
+        self._segments_made = 0
+        return super()._group(store, cfg)
+
     def _export(self, nbytes: int, keep: list[Any]) -> tuple[bytes, list[torch.Tensor]]:
         with torch.cuda.device(self.device), exportable():
             flat = torch.empty(2 * nbytes, dtype=torch.uint8, device=self.device)
-        _, handle, size, offset, ref_handle, ref_offset, ev, sync = (
-            flat.untyped_storage()._share_cuda_())
         keep.append(flat)
-        info = IpcBuffers(gpu_uuid(self.device), handle, size, offset, ref_handle, ref_offset,
-                          ev, bool(sync))
+        info = share(flat.untyped_storage(), self.device)
         return msgspec.msgpack.encode(info), [flat[:nbytes], flat[nbytes:]]
 
     def _open(self, handle: bytes, nbytes: int, keep: list[Any]) -> list[torch.Tensor]:
-        info = msgspec.msgpack.decode(handle, type=IpcBuffers)
-        mine = gpu_uuid(self.device)
-        if info.uuid != mine:
-            raise ValueError(f"the trainer's buffers are on GPU {info.uuid}, this worker is on "
-                             f"{mine}: the ipc plane needs both on one GPU (use nccl)")
-        if info.storage_bytes < 2 * nbytes or info.storage_offset < 0:
-            raise ValueError(f"the trainer's exported buffers hold {info.storage_bytes} bytes, "
-                             f"two buckets need {2 * nbytes}")
-        with torch.cuda.device(self.device):
-            storage = torch.UntypedStorage._new_shared_cuda(
-                self.device.index, info.handle, info.storage_bytes, info.storage_offset,
-                info.ref_handle, info.ref_offset, info.event_handle, info.event_sync)
-            base, size = mapped_bytes(storage.data_ptr())
-            if storage.data_ptr() + info.storage_bytes > base + size:
-                raise ValueError(f"the trainer's handle claims {info.storage_bytes} bytes, its "
-                                 f"allocation maps {size - (storage.data_ptr() - base)} from "
-                                 "there: refused")
-            flat = torch.empty(0, dtype=torch.uint8, device=self.device)
-            flat.set_(storage, 0, (2 * nbytes,), (1,))
+        info = msgspec.msgpack.decode(handle, type=IpcMemory)
+        flat = open_shared(info, self.device, 2 * nbytes, "the trainer's buffers")[: 2 * nbytes]
         keep.append(flat)
         return [flat[:nbytes], flat[nbytes:]]
+
+    # ------------------------------------------------------------------ memory read in place
+
+    def export(self, t: torch.Tensor) -> Source | None:
+        """Where tensor `t`'s bytes lie in memory exported to the receivers (its storage is
+        exported on first use, once); None if it cannot be (another device, not contiguous, or
+        allocated where CUDA IPC cannot export: expandable segments)."""
+        if t.device != self.device or not t.is_contiguous():
+            return None
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        seen = self._exports.get(key)
+        if seen is None or seen[1].expired():  # a new storage (or a new one at that address)
+            try:
+                info = share(storage, self.device)
+            except RuntimeError:
+                seen = (-1, StorageWeakRef(storage))
+            else:
+                seen = (self._segments_made, StorageWeakRef(storage))
+                self._segments_made += 1
+                self.pg.store.set(f"segment/{seen[0]}", msgspec.msgpack.encode(info))
+            self._exports[key] = seen
+        if seen[0] < 0:
+            return None
+        return Source(seen[0], t.storage_offset() * t.element_size())
+
+    def mapped(self, at: Source, length: int) -> torch.Tensor:
+        """The `length` bytes at `at`, mapped (each segment once); `ValueError` naming what is
+        wrong: a segment the sender never exported, one on another GPU or claiming more than
+        its allocation, or a range past its end."""
+        seg = self._mapped.get(at.segment)
+        if seg is None:
+            key = f"segment/{at.segment}"
+            if not self.pg.store.check([key]):
+                raise ValueError(f"memory segment {at.segment} was never exported by the sender")
+            info = msgspec.msgpack.decode(self.pg.store.get(key), type=IpcMemory)
+            seg = self._mapped[at.segment] = open_shared(
+                info, self.device, 0, f"the sender's memory segment {at.segment}")
+        if at.offset + length > seg.numel():
+            raise ValueError(f"bytes [{at.offset}, {at.offset + length}) of the sender's memory "
+                             f"segment {at.segment} lie past its {seg.numel()} bytes")
+        return seg[at.offset : at.offset + length]
+
+    def keep_mapped(self, segments: set[int]) -> None:
+        """Unmap every segment but `segments` (the sender may free the memory of the others)."""
+        for k in [k for k in self._mapped if k not in segments]:
+            del self._mapped[k]
 
     def _written(self, i: int) -> None:
         self.wait_stream(torch.cuda.current_stream(self.device), self._timeout_s)

@@ -124,7 +124,8 @@ class _Group:
     """The mapped control block and buffers of one rank."""
 
     def __init__(self, ctrl: torch.Tensor, buffers: list[torch.Tensor], pids: dict[int, int],
-                 keep: list[Any]) -> None:
+                 keep: list[Any], store: dist.Store) -> None:
+        self.store = store  # the group's rendezvous, where later handles go (`ipc` segments)
         self.ctrl = ctrl
         self.buffers = buffers
         self.pids = pids
@@ -189,7 +190,7 @@ class SharedTransport(Transport):
         ctrl = torch.frombuffer(ctrl_map, dtype=torch.int64, count=need // 8)
         if int(ctrl[0]) != MAGIC:
             raise ValueError("shared plane: the control block does not carry this package's mark")
-        return _Group(ctrl, buffers, pids, keep)
+        return _Group(ctrl, buffers, pids, keep, store)
 
     def _attached(self, store: dist.Store, world_size: int) -> dict[int, int]:
         """Rank 0: wait (bounded by the store's timeout) until every receiver mapped the

@@ -256,11 +256,13 @@ class PushClient:
         rounds.begin(version)
         specs: list[TensorSpec] = []
         packer = None
+        in_place = False  # a state dict's tensors may be read where they lie (`lane.layout`)
         alone = alone_bytes(cfg.bucket_bytes, cfg.backend)
         if isinstance(named_tensors, Mapping):
             items = [(n, caster(n, t)) for n, t in without_aliases(named_tensors)]
             specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
-            planned = _with_last(plan_buckets(items, cfg.bucket_bytes, alone))
+            planned = _with_last(lane.layout(items, alone))
+            in_place = True
             del items
         elif window > 1:  # holds the tensors of up to `window` announced buckets
             planned = _with_last(plan_buckets(caster.each(named_tensors), cfg.bucket_bytes,
@@ -279,8 +281,10 @@ class PushClient:
                 pending.append((h, lambda: wire))
             else:
                 bucket, is_last = next(planned)
-                h = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force, staged)
-                pending.append((h, lambda: lane.wire(bucket.slots, bucket.sources)))
+                at = lane.at(bucket) if in_place else None
+                h = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force, staged, at)
+                pending.append((h, lambda: lane.wire(bucket.slots, bucket.sources,
+                                                     in_place=at is not None)))
             return h
 
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_nccl_sync.wire.protocol import BucketHeader, Slot
+from vllm_nccl_sync.wire.protocol import BucketHeader, Slot, Source
 
 ALIGN = 64
 """Byte alignment of every slot's offset in a bucket."""
@@ -94,8 +94,17 @@ class Bucket:
         protocol: int,
         force: bool = False,
         staged: bool = False,
+        at: Source | None = None,
     ) -> BucketHeader:
-        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged)
+        return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged,
+                            at=at)
+
+    def moving(self) -> tuple[Slot, torch.Tensor] | None:
+        """The bucket's one moving slot and its flat source when that slot is the whole bucket
+        (zero-byte slots beside it move nothing): a bucket a sender can send from where its
+        bytes lie; else None."""
+        moving = [(s, t) for s, t in zip(self.slots, self.sources, strict=True) if s.nbytes]
+        return moving[0] if len(moving) == 1 and moving[0][0].offset == 0 else None
 
 
 GLOO_ALONE_BYTES = 4 << 20
@@ -243,8 +252,9 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
     dimensions of at most 2**63 - 1, bounded names and slot counts: `protocol.py`), as `decode`
     enforces them. Rules here: the expected sequence number; `length <= capacity`; unique names;
     known dtypes; shapes of at most 2**63 - 1 bytes; aligned, in-range, non-overlapping slots;
-    whole elements; chunk ranges inside their tensor; and `length` equal to the end of the last
-    slot (no bytes beyond the payload).
+    whole elements; chunk ranges inside their tensor; `length` equal to the end of the last
+    slot (no bytes beyond the payload); and a bucket read where it lies (`at`) holding one slot's
+    bytes (the range itself is the data plane's to check: `Transport.mapped`).
     """
     if header.seq != expected_seq:
         kind = "repeat" if header.seq < expected_seq else "gap"
@@ -282,6 +292,8 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
             )
     if end != header.length:
         raise ValueError(f"bucket length {header.length} != end of its last tensor {end}")
+    if header.at is not None and sum(s.nbytes > 0 for s in header.slots) > 1:
+        raise ValueError("a bucket read where it lies (at) holds the bytes of one slot only")
 
 
 RowLoader = Callable[[str, torch.Tensor, int, list[int]], bool]

@@ -46,10 +46,11 @@ import msgspec
 
 from vllm_nccl_sync.outcomes import ProtocolError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on every incompatible change of these messages or of the checksums they carry
 (5: the CPU bucket checksum sums rows of 512 bytes; 6: `Hello` carries the engine's `dtype`, and
-the decoder enforces the bounds below)."""
+the decoder enforces the bounds below; 7: a bucket may be read in place from the sender's
+exported memory (`BucketHeader.at`), and the CUDA checksum reads the bytes once)."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Upper bound of one control frame; larger frames are rejected before decoding."""
@@ -152,6 +153,14 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     casts to it where the cast is faithful."""
 
 
+class Source(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a bucket's bytes already lie: byte `offset` of memory `segment` that the sender
+    exported on its data plane (each receiver maps a segment once and checks the range)."""
+
+    segment: Count
+    offset: Count
+
+
 class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fields=True):
     """Bucket `seq` of update `version` is `length` bytes holding `slots`: inside the `Plan`, or
     sender -> receivers on its own for the later buckets of a stream."""
@@ -168,6 +177,9 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
     src: Count = 0
     """The sender whose data-plane group carries this bucket (0 with one sender)."""
+    at: Source | None = None
+    """Set on a plane whose receivers map the sender's memory (`ipc`): the bucket's `length`
+    bytes are read where they lie, nothing is broadcast or packed (one copy per byte)."""
 
 
 class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
