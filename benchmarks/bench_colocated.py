@@ -17,6 +17,8 @@ engine starts, so that vLLM's memory profiling sees a steady neighbour. Methods,
   ours                `PushClient(backend="ipc")` -> `Ext.nccl_sync_receive` (checksums on, in
                       place), joined once; the state dict's tensors are read where they lie in
                       the trainer's memory (each storage mapped once), small ones packed
+  ours_1mib           the same, reading in place every tensor of at least 1 MiB (not only those
+                      of at least half a bucket)
   ours_packed         the same plane pushing a stream of the tensors: every byte packed into
                       the trainer's two buckets, which the engine mapped once
   vllm_ipc            vLLM's `ipc` backend, one CUDA IPC handle per tensor
@@ -68,14 +70,14 @@ from typing import Any
 
 import bench_vllm_gpu as bvg
 
-GPU_METHODS = ("floor", "floor_per_tensor", "ours", "ours_packed", "vllm_ipc", "vllm_ipc_packed_2g",
+GPU_METHODS = ("floor", "floor_per_tensor", "ours", "ours_1mib", "ours_packed", "vllm_ipc", "vllm_ipc_packed_2g",
                "vllm_ipc_packed_1g")
 CPU_METHODS = ("floor", "floor_per_tensor", "raw_gloo", "ours_gloo", "ours_shm")
 FLOORS = ("floor", "floor_per_tensor")
 """Timed in the trainer alone."""
 REFERENCES = (*FLOORS, "raw_gloo")
 """Methods that move bytes without updating the engine: timed, not checked."""
-PLANE = {"ours": "ipc", "ours_packed": "ipc", "raw_gloo": "gloo", "ours_gloo": "gloo", "ours_shm": "shm"}
+PLANE = {"ours": "ipc", "ours_1mib": "ipc", "ours_packed": "ipc", "raw_gloo": "gloo", "ours_gloo": "gloo", "ours_shm": "shm"}
 """This project's data plane (and engine session) of each method that uses one."""
 VLLM_BUFFER = {"vllm_ipc": 0, "vllm_ipc_packed_2g": 2 << 30, "vllm_ipc_packed_1g": 1 << 30}
 """vLLM ipc modes: 0 one handle per tensor, else packed through a buffer of this size."""
@@ -280,7 +282,10 @@ def trainer(args: argparse.Namespace) -> None:
                     clients["gloo"].transport.broadcast(src).wait()
                 elif method in PLANE:
                     sent = tensors.items() if method == "ours_packed" else tensors  # a stream packs
-                    clients[PLANE[method]].push(sent, version=msg["version"])
+                    push = clients[PLANE[method]]
+                    push.lane.in_place_bytes = (1 << 20 if method == "ours_1mib"
+                                                else push.cfg.bucket_bytes // 2)
+                    push.push(sent, version=msg["version"])
                 else:
                     vllm_send(client, tensors, method)
                 sync()

@@ -143,11 +143,11 @@ class ReceivePlane:
         """Wait for bucket `seq`'s bytes (CUDA: the current stream waits) and return their
         checksum: an int now (`digest_per_bucket`), else one queued beside on the device."""
         work.wait()
-        if isinstance(work, _Mapped):
-            data = self.in_place[seq] = work.data
+        if isinstance(work, _Mapped):  # nothing to overlap with: summed where it is loaded
+            self.in_place[seq] = work.data
             self.read_in_place += 1
-        else:
-            data = self.buffers[seq % 2][:length]
+            return checksum_gpu(work.data) if self.cuda else checksum(work.data)
+        data = self.buffers[seq % 2][:length]
         if self.digest_per_bucket:
             return checksum(data)  # while the sender's Digest (and bucket k+1) fly
         with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both
@@ -194,7 +194,12 @@ class ReceivePlane:
             self.settle(timeout_s)
 
     def values(self, sums: list[Any]) -> list[int | None]:
-        """The checksums of `arrived` as ints (device ones read back in one go)."""
+        """The checksums of `arrived` as ints (device ones read back in one go, once the
+        streams that computed them ran)."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self._cksum)
+            cur.wait_stream(self._load)
         return read_back(sums)
 
     def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:

@@ -41,12 +41,6 @@ from vllm_nccl_sync.wire.packing import (
 )
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Digest, Slot, Source
 
-IN_PLACE_SHARE = 2
-"""On a plane that maps the sender's memory, tensors of at least 1/IN_PLACE_SHARE of a bucket
-are read where they lie; smaller ones are packed. Each bucket costs both sides about 0.3 ms of
-host work (checksum and load queued: measured on an H200 with 8.71 GB in 103 buckets against
-11), so reading every tensor of at least 1 MiB in place was slower than packing most of them."""
-
 
 class BucketLane:
     """One sender's buckets on `transport`: double-buffered, checksummed per bucket (`check`).
@@ -62,6 +56,11 @@ class BucketLane:
         self.shared = transport.shares_buffers
         """The plane's buffers are what receivers read (same host): every bucket is packed."""
         self.capacity = bucket_bytes
+        self.in_place_bytes = bucket_bytes // 2
+        """On a plane that maps this sender's memory, tensors of at least this size are read
+        where they lie, the rest packed. Half a bucket: each bucket costs each side about 0.3 ms
+        of host time, and on an H200 (8.71 GB, 1 GiB buckets) reading every tensor of at least
+        1 MiB in place (103 buckets) was slower than packing most of them (11)."""
         self.buffers = (transport.shared_buffers() if self.shared else
                         [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
                          for _ in range(2)])
@@ -122,14 +121,12 @@ class BucketLane:
 
     def layout(self, items: list[tuple[str, torch.Tensor]], alone: int) -> Iterator[Bucket]:
         """A state dict's buckets: on a plane whose receivers map this sender's memory, the
-        tensors of at least half a bucket (`IN_PLACE_SHARE`) that it can export first, each in
-        buckets of its own (read where they lie), then the rest packed; elsewhere
-        `plan_buckets` as it is.
+        tensors of at least `in_place_bytes` that it can export first, each in buckets of its
+        own (read where they lie), then the rest packed; elsewhere `plan_buckets` as it is.
         Waits (bounded) for this device's queued work first, so what receivers read is final."""
         capacity = self.capacity
         mine = [(n, t) for n, t in items
-                if t.numel() * t.element_size() >= capacity // IN_PLACE_SHARE
-                and t.device == self.device
+                if t.numel() * t.element_size() >= self.in_place_bytes and t.device == self.device
                 and self.transport.export(t) is not None]
         if not mine:
             return plan_buckets(items, capacity, alone)
@@ -181,7 +178,12 @@ class BucketLane:
                                             f"{clip(str(e), 300)}", -1))
         digest: Any = 0
         if self.check and header.length:
-            digest = checksum(wire) if self._stream is None else self._beside(wire, i)
+            if self._stream is None:
+                digest = checksum(wire)
+            elif header.at is not None:  # no collective to overlap with: on this stream
+                digest = checksum_gpu(wire)
+            else:
+                digest = self._beside(wire, i)
         self.sums[header.seq] = digest
         if self.transport.digest_per_bucket and header.length:
             try:
