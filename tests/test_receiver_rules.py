@@ -373,3 +373,21 @@ def test_a_header_of_another_protocol_nested_in_a_plan_is_refused(pair):
     err = pair.expect(Error, -1)
     assert f"protocol {P - 1}" in err.message, err
     assert all(torch.equal(p, weights(0)[n]) for n, p in pair.model.named_parameters())
+
+
+def test_a_run_of_buckets_read_in_place_goes_to_the_loader_in_one_call():
+    from vllm_nccl_sync.engine.update import Update
+    from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Slot, Source
+
+    def h(seq: int, at: bool, last: bool = False) -> BucketHeader:
+        return BucketHeader(PROTOCOL_VERSION, 1, seq, 64, last, [Slot(f"t{seq}", "uint8", [64], 0, 64)],
+                            at=Source(0, 64 * seq) if at else None)
+
+    heads = [h(0, True), h(1, True), h(2, False), h(3, True, last=True)]
+    u = Update(rank=1, capacity=4096)
+    u.headers = {x.seq: x for x in heads}
+    got = [u.batched([(f"t{x.seq}", torch.zeros(1))], x) for x in heads]
+    assert got[0] is None  # the run goes on
+    assert [n for n, _ in got[1]] == ["t0", "t1"]  # ends before a packed bucket
+    assert [n for n, _ in got[2]] == ["t2"] and [n for n, _ in got[3]] == ["t3"]
+    assert u.batch == []

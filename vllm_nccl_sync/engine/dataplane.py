@@ -143,11 +143,11 @@ class ReceivePlane:
         """Wait for bucket `seq`'s bytes (CUDA: the current stream waits) and return their
         checksum: an int now (`digest_per_bucket`), else one queued beside on the device."""
         work.wait()
-        if isinstance(work, _Mapped):  # nothing to overlap with: summed where it is loaded
-            self.in_place[seq] = work.data
+        if isinstance(work, _Mapped):
+            data = self.in_place[seq] = work.data
             self.read_in_place += 1
-            return checksum_gpu(work.data) if self.cuda else checksum(work.data)
-        data = self.buffers[seq % 2][:length]
+        else:
+            data = self.buffers[seq % 2][:length]
         if self.digest_per_bucket:
             return checksum(data)  # while the sender's Digest (and bucket k+1) fly
         with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both

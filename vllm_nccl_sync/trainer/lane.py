@@ -178,12 +178,7 @@ class BucketLane:
                                             f"{clip(str(e), 300)}", -1))
         digest: Any = 0
         if self.check and header.length:
-            if self._stream is None:
-                digest = checksum(wire)
-            elif header.at is not None:  # no collective to overlap with: on this stream
-                digest = checksum_gpu(wire)
-            else:
-                digest = self._beside(wire, i)
+            digest = checksum(wire) if self._stream is None else self._beside(wire, i)
         self.sums[header.seq] = digest
         if self.transport.digest_per_bucket and header.length:
             try:
