@@ -64,7 +64,6 @@ def trainer(cfg: dict, seeds: list[int], staged: bool = False, die_at: int = -1)
     import faulthandler
 
     faulthandler.dump_traceback_later(DEADLINE - 30)  # where it waits, should the test hang
-    from vllm_nccl_sync import PushClient, SyncConfig
     from vllm_nccl_sync.planes.base import Transport
 
     if die_at >= 0:
@@ -78,17 +77,28 @@ def trainer(cfg: dict, seeds: list[int], staged: bool = False, die_at: int = -1)
             return real(self, tensor, src, **kw)
 
         Transport.broadcast = broadcast
+    return push_each(cfg, seeds, staged=staged)
+
+
+def push_each(cfg: dict, seeds: list[int], *, staged: bool = False,
+              state_dict: bool = False) -> list[dict]:
+    """Pushes each seed's tensors from the GPU (as a stream, or as a state dict whose large
+    tensors are read where they lie: how many, `in_place`), zeroing them as soon as the push
+    returns: the engine's copies out of them must have run by then."""
+    from vllm_nccl_sync import PushClient, SyncConfig
+
     client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
     client.connect()
     out = []
     for seed in seeds:
         named = {n: t.cuda() for n, t in tensors(seed).items()}
         try:
-            r = client.push(named.items(), version=seed, staged=staged)
-            out.append({"ok": True, "acks": [a.rank for a in r.acks]})
+            r = client.push(named if state_dict else named.items(), version=seed, staged=staged)
+            out.append({"ok": True, "acks": [a.rank for a in r.acks]}
+                       | ({"in_place": len(client.lane.held)} if state_dict else {}))
         except Exception as e:  # noqa: BLE001
             out.append({"ok": False, "error": str(e)})
-        for t in named.values():  # the trainer moves on at once: the engine must be done
+        for t in named.values():
             t.zero_()
     client.close()
     return out
@@ -239,7 +249,6 @@ def in_place_trainer(cfg: dict, seeds: list[int], forge: str = "") -> list[dict]
     """Pushes each seed's tensors as a state dict from memory allocated the default way (so it
     can be exported): its large tensors are read where they lie. `forge`: headers name a range
     past the segment ("past") or a segment never exported ("unknown")."""
-    from vllm_nccl_sync import PushClient, SyncConfig
     from vllm_nccl_sync.planes import ipc
     from vllm_nccl_sync.wire.protocol import Source
 
@@ -253,21 +262,7 @@ def in_place_trainer(cfg: dict, seeds: list[int], forge: str = "") -> list[dict]
             return Source(at.segment, at.offset + (1 << 40)) if forge == "past" else Source(999, 0)
 
         ipc.IpcTransport.export = export
-    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
-    client.connect()
-    out = []
-    for seed in seeds:
-        named = {n: t.cuda() for n, t in tensors(seed).items()}
-        try:
-            r = client.push(named, version=seed)
-            out.append({"ok": True, "acks": [a.rank for a in r.acks],
-                        "in_place": len(client.lane.held)})
-        except Exception as e:  # noqa: BLE001
-            out.append({"ok": False, "error": str(e)})
-        for t in named.values():  # the trainer moves on at once: the engine must be done
-            t.zero_()
-    client.close()
-    return out
+    return push_each(cfg, seeds, state_dict=True)
 
 
 def test_a_state_dict_is_read_where_it_lies_bit_exact_and_the_trainer_writes_only_after_the_ack():
