@@ -13,7 +13,8 @@ One update (sender S, every receiver R):
     S -> R  Go(k) | Abort          every receiver said Ready(k): the collectives up to k will run
     stream only, while buckets flow: S -> R BucketHeader(j); R -> S Ready(j); S -> R Go(j)
     per bucket k, back to back, no round trip:
-    S => R  broadcast of exactly header k's `length` bytes (data plane)
+    S => R  broadcast of exactly header k's `length` bytes (data plane); a header with `at`
+            (`ipc`): none, the receiver reads its `length` bytes where the sender's memory holds them
     S -> R  Digest(k)              gloo only: its checksum, computed while the bytes fly; the
                                    receiver checks it before loading anything from bucket k
     then the commit round:
