@@ -84,7 +84,8 @@ except ImportError:  # pragma: no cover
 class Watch:
     """A thread of the engine's process that wakes every half millisecond. When it wakes late,
     the process's other threads held Python's lock (or no core was free) for that long: it keeps
-    when, how long, and where `threads` (by name) were just after. Every `EVERY`-th wake it also
+    when, how long, and where `threads` (by name; "main": the process's main thread, whatever its
+    name, which a process forked from another thread inherits) were just after. Every `EVERY`-th wake it also
     samples where the first of `threads` is (the last `KEEP` samples), which shows what a
     thread that holds no lock was doing: waiting for the device, or running Python."""
 
@@ -93,7 +94,7 @@ class Watch:
     EVERY = 4
     KEEP = 120_000
 
-    def __init__(self, threads: tuple[str, ...] = ("MainThread", "nccl-sync-beside")) -> None:
+    def __init__(self, threads: tuple[str, ...] = ("main", "nccl-sync-beside")) -> None:
         self.threads = threads
         self.stalls: list[list] = []
         self.samples: collections.deque = collections.deque(maxlen=self.KEEP)
@@ -118,7 +119,8 @@ class Watch:
             late = took - self.PERIOD > self.LATE and len(self.stalls) < 2000
             if not late and (not self.threads or n % self.EVERY):
                 continue
-            names = {t.ident: t.name for t in threading.enumerate()}
+            main = threading.main_thread()  # "main": the process's first thread, by identity
+            names = {t.ident: "main" if t is main else t.name for t in threading.enumerate()}
             frames = {names.get(i): f for i, f in sys._current_frames().items()}
             if late:
                 self.stalls.append([t0, took, {k: self._stack(frames[k]) for k in self.threads
