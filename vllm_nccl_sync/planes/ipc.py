@@ -43,6 +43,38 @@ from vllm_nccl_sync.planes.shared import SharedTransport
 from vllm_nccl_sync.wire.protocol import Source
 
 
+class Exports:
+    """The storages a sender exported for reading in place: per storage address, its segment
+    (-1: not exportable) while the storage lives. A new storage at a dead one's address is a
+    new segment. Entries of dead storages are swept as the registry grows, and their segments
+    handed back to be forgotten, so a trainer that pushes fresh tensors every step (FSDP's
+    gathered full tensors) keeps neither entries nor published handles of old ones."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[int, tuple[int, StorageWeakRef]] = {}
+        self._sweep_at = 64
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def get(self, storage: torch.UntypedStorage) -> int | None:
+        """The segment `storage` was exported as, or None if it was not (or that one died)."""
+        seen = self._by_address.get(storage.data_ptr())
+        return None if seen is None or seen[1].expired() else seen[0]
+
+    def add(self, storage: torch.UntypedStorage, segment: int) -> list[int]:
+        """Remember `storage` as `segment`; the segments of storages that died (to forget)."""
+        key = storage.data_ptr()
+        old = self._by_address.get(key)
+        dead = [old[0]] if old is not None and old[1].expired() else []
+        self._by_address[key] = (segment, StorageWeakRef(storage))
+        if len(self._by_address) >= self._sweep_at:
+            gone = [k for k, (_, ref) in self._by_address.items() if ref.expired()]
+            dead += [self._by_address.pop(k)[0] for k in gone]
+            self._sweep_at = 2 * max(len(self._by_address), 32)
+        return [d for d in dead if d >= 0]
+
+
 class IpcMemory(msgspec.Struct, frozen=True):
     """A storage the sender exported (PyTorch's CUDA IPC fields) and the GPU it lies on."""
 
@@ -136,7 +168,7 @@ class IpcTransport(SharedTransport):
         return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
     def _group(self, store: Any, cfg: Any) -> Any:
-        self._exports: dict[int, tuple[int, StorageWeakRef]] = {}  # storage address -> segment
+        self._exports = Exports()
         self._mapped: dict[int, torch.Tensor] = {}
         self._segments_made = 0
         return super()._group(store, cfg)
@@ -163,21 +195,21 @@ class IpcTransport(SharedTransport):
         if t.device != self.device or not t.is_contiguous():
             return None
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        seen = self._exports.get(key)
-        if seen is None or seen[1].expired():  # a new storage (or a new one at that address)
+        segment = self._exports.get(storage)
+        if segment is None:  # a new storage (or a new one at a dead one's address)
             try:
                 info = share(storage, self.device)
             except RuntimeError:
-                seen = (-1, StorageWeakRef(storage))
+                segment = -1
             else:
-                seen = (self._segments_made, StorageWeakRef(storage))
+                segment = self._segments_made
                 self._segments_made += 1
-                self.pg.store.set(f"segment/{seen[0]}", msgspec.msgpack.encode(info))
-            self._exports[key] = seen
-        if seen[0] < 0:
+                self.pg.store.set(f"segment/{segment}", msgspec.msgpack.encode(info))
+            for dead in self._exports.add(storage, segment):  # no plan can name these again
+                self.pg.store.delete_key(f"segment/{dead}")
+        if segment < 0:
             return None
-        return Source(seen[0], t.storage_offset() * t.element_size())
+        return Source(segment, t.storage_offset() * t.element_size())
 
     def mapped(self, at: Source, length: int) -> torch.Tensor:
         """The `length` bytes at `at`, mapped (each segment once); `ValueError` naming what is
