@@ -137,8 +137,8 @@ class Probes:
     """Where a gap in the token stream came from: when the engine core produced each step's
     outputs (their own timestamp, taken in the core process) against when this front end got
     them, this process's garbage collections and the times its threads were held up (`Watch`).
-    Kept in arrays (no object per record), so the
-    probes add no work to the collector they watch."""
+    Kept in arrays (no object per record), so the probes add no work to the collector they
+    watch."""
 
     def __init__(self, engine: Any) -> None:
         from bench_vllm_gpu import Watch

@@ -160,7 +160,7 @@ class CopyPlan:
         """Run the recorded writes, in recorded order; the parameter names written. One plain
         `copy_` per write: on an H200, 171 tensors of a 7B model took 4.6 ms on the device
         this way against 6.3 ms as one `_foreach_copy_` (its fused kernel copies slower than the
-        copy engines), and no more host time."""
+        copy engines), for about the same host time (1.3 against 1.15 ms)."""
         done: set[str] = set()
         for e, t in known:
             base = t.storage_offset()  # recorded offsets are within t (contiguous)
