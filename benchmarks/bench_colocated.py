@@ -16,9 +16,7 @@ engine starts, so that vLLM's memory profiling sees a steady neighbour. Methods,
   floor_per_tensor    the same, one copy per tensor: with floor, the copy floor
   ours                `PushClient(backend="ipc")` -> `Ext.nccl_sync_receive` (checksums on, in
                       place), joined once; the state dict's tensors are read where they lie in
-                      the trainer's memory (each storage mapped once), small ones packed
-  ours_1mib           the same, reading in place every tensor of at least 1 MiB (not only those
-                      of at least half a bucket)
+                      the trainer's memory (each storage mapped once), gathered into buckets
   ours_packed         the same plane pushing a stream of the tensors: every byte packed into
                       the trainer's two buckets, which the engine mapped once
   vllm_ipc            vLLM's `ipc` backend, one CUDA IPC handle per tensor
@@ -70,14 +68,14 @@ from typing import Any
 
 import bench_vllm_gpu as bvg
 
-GPU_METHODS = ("floor", "floor_per_tensor", "ours", "ours_1mib", "ours_packed", "vllm_ipc", "vllm_ipc_packed_2g",
+GPU_METHODS = ("floor", "floor_per_tensor", "ours", "ours_packed", "vllm_ipc", "vllm_ipc_packed_2g",
                "vllm_ipc_packed_1g")
 CPU_METHODS = ("floor", "floor_per_tensor", "raw_gloo", "ours_gloo", "ours_shm")
 FLOORS = ("floor", "floor_per_tensor")
 """Timed in the trainer alone."""
 REFERENCES = (*FLOORS, "raw_gloo")
 """Methods that move bytes without updating the engine: timed, not checked."""
-PLANE = {"ours": "ipc", "ours_1mib": "ipc", "ours_packed": "ipc", "raw_gloo": "gloo", "ours_gloo": "gloo", "ours_shm": "shm"}
+PLANE = {"ours": "ipc", "ours_packed": "ipc", "raw_gloo": "gloo", "ours_gloo": "gloo", "ours_shm": "shm"}
 """This project's data plane (and engine session) of each method that uses one."""
 VLLM_BUFFER = {"vllm_ipc": 0, "vllm_ipc_packed_2g": 2 << 30, "vllm_ipc_packed_1g": 1 << 30}
 """vLLM ipc modes: 0 one handle per tensor, else packed through a buffer of this size."""
@@ -243,6 +241,7 @@ def trainer(args: argparse.Namespace) -> None:
     sock.send_json(info)
     client = HandlesClient(sock)
     clients: dict[str, PushClient] = {}
+    phases: dict[str, float] = {}  # this update's push, by phase (`timing`)
     kept: dict[str, int] = {}
     peak: dict[str, int] = {}
     while True:
@@ -267,10 +266,12 @@ def trainer(args: argparse.Namespace) -> None:
                 cfg = SyncConfig(**msg["cfg"])
                 clients[cfg.backend] = PushClient(cfg, dev if gpu else None)
                 clients[cfg.backend].connect()
+                timing(clients[cfg.backend], phases)
                 kept[cfg.backend] = allocated() - base
                 s = time.perf_counter() - t0
             else:
                 method = msg["method"]
+                phases.clear()
                 sync()
                 t0 = time.perf_counter()
                 if method == "floor":
@@ -282,10 +283,7 @@ def trainer(args: argparse.Namespace) -> None:
                     clients["gloo"].transport.broadcast(src).wait()
                 elif method in PLANE:
                     sent = tensors.items() if method == "ours_packed" else tensors  # a stream packs
-                    push = clients[PLANE[method]]
-                    push.lane.in_place_bytes = (1 << 20 if method == "ours_1mib"
-                                                else push.cfg.bucket_bytes // 2)
-                    push.push(sent, version=msg["version"])
+                    clients[PLANE[method]].push(sent, version=msg["version"])
                 else:
                     vllm_send(client, tensors, method)
                 sync()
@@ -297,11 +295,30 @@ def trainer(args: argparse.Namespace) -> None:
             traceback.print_exc()
             sock.send_json({"ok": False, "error": text(e), "s": time.perf_counter() - t0})
             continue
-        sock.send_json({"ok": True, "s": s})
+        sock.send_json({"ok": True, "s": s, "phases": dict(phases)})
     for c in clients.values():
         c.close()
     sock.close(linger=5000)  # the last reply goes out before the process ends
     ctx.term()
+
+
+def timing(client: Any, into: dict[str, float]) -> None:
+    """Add the time `client.push` spends in each of its phases to `into` (the bench's own
+    instrument): planning (and, read in place, the checksums queued ahead), the wait for the
+    device before the plan, plan to every Ready, posting, the drain, Seal to Commit."""
+    for owner, names in ((client.lane, ("layout", "at", "settle", "post", "drain")),
+                         (client.rounds, ("open", "commit"))):
+        for name in names:
+            real = getattr(owner, name)
+
+            def timed(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    into[_name] = into.get(_name, 0.0) + time.perf_counter() - t
+
+            setattr(owner, name, timed)
 
 
 # --------------------------------------------------------------------------- driver + engine
@@ -451,7 +468,14 @@ def summary(rows: list[dict], mode: str) -> str:
         speedup = best["median_s"] / by[ours]["median_s"]
         line += (f"; {best['method']} (best of {', '.join(others)}): "
                  f"{best['ratio_to_floor']:.2f}x; {ours} is {speedup:.2f}x as fast as it")
-    return line + "."
+    line += "."
+    phases = by[ours].get("trainer_phases_s_median")
+    if phases:  # where the trainer's push spent its time, and the receiver's part of it
+        rx = by[ours].get("rx_s_median")
+        line += (f" Its push, median ms by phase: "
+                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items())
+                 + (f"; the receiver, Ready to Commit: {rx * 1e3:.1f}." if rx else "."))
+    return line
 
 
 def after_text(a: dict) -> str:

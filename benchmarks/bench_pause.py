@@ -11,7 +11,9 @@ from `--trainer-gpu` over NCCL. The model is `bench_vllm_gpu.py`'s Qwen2-7B-shap
 (`--layers 14`: 8.7 GB, 171 tensors; `load_format="dummy"`), with torch.compile and CUDA graphs
 unless `--eager`. `--clients` streaming clients on the engine's loop each keep one request in
 flight (random prompt ids, `--max-tokens` tokens, then the next request at once), so generation
-never stops on its own. Every token's arrival is time-stamped on the loop.
+never stops on its own; with `--stagger` the clients' first requests have 1/clients, 2/clients,
+... of the tokens, so requests end (and new ones are prefilled) one at a time rather than all at
+once. Every token's arrival is time-stamped on the loop.
 
 Each update is a plain `WeightSync.update(tensors, version, pause_mode=...)`. The engine's own
 calls (`pause_generation`, `collective_rpc`, `reset_prefix_cache`, `resume_generation`) and
@@ -201,10 +203,12 @@ class Stream:
         from vllm.inputs import TokensPrompt
 
         rng = random.Random(cid)
-        sp = SamplingParams(temperature=0.0, max_tokens=self.args.max_tokens, ignore_eos=True,
-                            detokenize=False)
+        full = self.args.max_tokens
         n = 0
         while not self.stop.is_set():
+            want = full * (cid + 1) // self.args.clients if self.args.stagger and not n else full
+            sp = SamplingParams(temperature=0.0, max_tokens=want, ignore_eos=True,
+                                detokenize=False)
             prompt = [rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]
             got, reason, first, last = 0, None, None, None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt), sp,
@@ -223,7 +227,7 @@ class Stream:
             self.finished[str(reason)] = self.finished.get(str(reason), 0) + 1
             if first is not None:
                 self.requests.append((first, last, str(reason)))
-            if got != self.args.max_tokens:
+            if got != want:
                 self.short.append((str(reason), got))
             n += 1
 
@@ -403,7 +407,7 @@ def run(args: Any) -> dict:
             "trainer": "own process" if remote else "this process (the engine's front end)",
             "trainer_threads": args.trainer_threads or torch.get_num_threads(),
             "clients": args.clients, "prompt_len": args.prompt_len,
-            "max_tokens": args.max_tokens, "bucket_bytes": sync.cfg.bucket_bytes,
+            "max_tokens": args.max_tokens, "stagger": args.stagger, "bucket_bytes": sync.cfg.bucket_bytes,
             "compiled": not (args.eager or args.cpu_smoke), "updates_per_mode": args.updates,
             "step_interval_s": step_interval(stream.tokens, windows), "updates": updates,
             "summary": summarise(updates),
@@ -446,6 +450,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, help="streaming requests kept in flight (16)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (128)")
     ap.add_argument("--max-tokens", type=int, help="tokens per request (256)")
+    ap.add_argument("--stagger", action="store_true",
+                    help="client c's first request is (c+1)/clients of --max-tokens long: requests "
+                         "end one at a time, as in steady serving, not all together")
     ap.add_argument("--settle-tokens", type=int,
                     help="tokens every client streams before and after each update (8)")
     ap.add_argument("--bucket-mib", type=float, help="bucket size (default: the library's)")

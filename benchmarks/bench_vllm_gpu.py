@@ -578,7 +578,8 @@ class Driver:
         peak = torch.cuda.max_memory_allocated() - base if self.gpu else 0
         if method == "ours_vllm_api":  # after the clock: the receiver's own time and buckets
             [extra] = self.llm.collective_rpc("bench_api_last")
-        return {"s": seconds, "trainer_s": reply["s"], "peak_extra": peak, **extra}
+        return {"s": seconds, "trainer_s": reply["s"], "peak_extra": peak,
+                **({"phases": reply["phases"]} if reply.get("phases") else {}), **extra}
 
     def verify(self, method: str, bucket: int) -> dict:
         """Zero the engine's weights, update once, compare every parameter bit for bit."""
@@ -598,7 +599,11 @@ def stats(runs: list[dict]) -> dict:
             "times_s": times, "peak_extra_bytes": max(r["peak_extra"] for r in runs),
             "trainer_s_median": statistics.median(r["trainer_s"] for r in runs),
             **({"rx_s_median": statistics.median(r["rx_s"] for r in runs),
-                "buckets": runs[0]["buckets"]} if "rx_s" in runs[0] else {})}
+                "buckets": runs[0]["buckets"]} if "rx_s" in runs[0] else {}),
+            **({"trainer_phases_s_median": {k: statistics.median(r["phases"].get(k, 0.0)
+                                                                 for r in runs)
+                                            for k in runs[0]["phases"]}}
+               if all("phases" in r for r in runs) else {})}
 
 
 def timed(drv: Driver, methods: list[tuple[str, int]], reps: int) -> dict:

@@ -10,9 +10,15 @@ tensor into its slice, the way vLLM's weight loaders do. Side by side in one run
   copies      the replay's copies, views made ahead: one `copy_` each (what replay issues)
   foreach     the same views in one `torch._foreach_copy_` (what replay issued before)
   floor       one device-to-device copy of the model's bytes
+  replay_summed  the replay while a receiver taps the tensors (`cuda_sums.Tap`): whole copies
+              go through one `copy_summed` launch that also computes their checksums
+  sums        the integrity checksum of the 171 tensors as one bucket read where they lie
+              (`checksum_parts_gpu`: one kernel launch on CUDA where Triton is installed)
+  sums_torch  the same values, summed by torch part by part (a few launches per tensor)
 
-and, as ratios, replay's device time over the floor's. Every parameter is checked bit for bit
-after the replay. No vLLM needed.
+and, as ratios, replay's device time over the floor's and the checksum's over the floor's.
+Every parameter is checked bit for bit after the replay, and both checksums must agree. No vLLM
+needed.
 
     python benchmarks/swap_replay.py [--layers 14] [--reps 10]
     python benchmarks/swap_replay.py --device cpu --tiny          # script check
@@ -32,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from vllm_nccl_sync.engine.copyplan import CopyPlan
+from vllm_nccl_sync.wire.cuda_sums import Tap, tapping
+from vllm_nccl_sync.wire.integrity import Pending, _terms, checksum_parts_gpu, read_back
 
 DIMS = {"hidden": 3584, "inter": 18944, "kv": 512, "vocab": 152064}
 TINY = {"hidden": 64, "inter": 128, "kv": 16, "vocab": 256}
@@ -138,21 +146,48 @@ def main() -> None:
         for d, s in zip(dsts, srcs, strict=True):
             d.copy_(s)
 
+    parts = [t.reshape(-1).view(torch.uint8) for _, t in batch]
+
+    def sums_torch() -> Pending:
+        terms = [(t, f * (2 * i + 1)) for i, p in enumerate(parts) for t, f in _terms(p)]
+        return Pending(terms, sum(p.numel() for p in parts))
+
+    def replay_summed() -> Tap:
+        tap = Tap()
+        for p in parts:
+            tap.want(p)
+        token = tapping.set(tap)
+        try:
+            plan.load(batch, loader)
+        finally:
+            tapping.reset(token)
+        return tap
+
+    tap = replay_summed()
+    bad += [n for n, t in batch if not torch.equal(params[where[n][0]][where[n][1]], t)]
+    agree = (read_back([checksum_parts_gpu(parts)]) == read_back([sums_torch()])
+             == read_back([checksum_parts_gpu(parts, [tap.take(p) for p in parts])]))
     rows = {"replay": timed(lambda: plan.load(batch, loader), device, args.reps),
             "loader": timed(lambda: loader(batch), device, args.reps),
             "copies": timed(copies, device, args.reps),
             "foreach": timed(lambda: torch._foreach_copy_(dsts, srcs), device, args.reps),
-            "floor": timed(lambda: out.copy_(arena), device, args.reps)}
+            "floor": timed(lambda: out.copy_(arena), device, args.reps),
+            "replay_summed": timed(replay_summed, device, args.reps),
+            "sums": timed(lambda: checksum_parts_gpu(parts), device, args.reps),
+            "sums_torch": timed(sums_torch, device, args.reps)}
     print(f"{arena.numel() * 2 / 1e9:.2f} GB, {len(batch)} tensors into {len(params)} parameters"
           f" on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch "
-          f"{torch.__version__}; median (min) of {args.reps}, ms; bit-exact: {not bad}")
+          f"{torch.__version__}; median (min) of {args.reps}, ms; bit-exact: {not bad}; checksums "
+          f"agree: {agree}")
     for name, (host, dev) in rows.items():
-        print(f"  {name:<7} host {statistics.median(host):7.2f} ({min(host):.2f})   device "
+        print(f"  {name:<13} host {statistics.median(host):7.2f} ({min(host):.2f})   device "
               f"{statistics.median(dev):7.2f} ({min(dev):.2f})")
     floor = statistics.median(rows["floor"][1])
     print(f"  replay device / floor: {statistics.median(rows['replay'][1]) / floor:.2f}")
-    if bad:
-        raise SystemExit(f"not bit-exact: {bad[:5]}")
+    for name in ("sums", "replay_summed"):
+        print(f"  {name} device / floor: {statistics.median(rows[name][1]) / floor:.2f}")
+    if bad or not agree:
+        raise SystemExit(f"not bit-exact: {bad[:5]}" if bad else "checksums disagree")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,8 @@ def test_bench_pause_cpu_smoke(tmp_path):
     beside serving, swapped with `wait` and with `carry` (no pause)."""
     path = tmp_path / "pause.json"
     out = run_script(["benchmarks/bench_pause.py", "--cpu-smoke", "--updates", "1",
-                      "--pause-modes", "keep,beside:wait,beside:carry", "--trainer-process", "--json", str(path)],
+                      "--pause-modes", "keep,beside:wait,beside:carry", "--trainer-process", "--stagger",
+                      "--json", str(path)],
                      deadline_s=420)
     assert re.search(r"^\| keep \| [\d.]+ \(", out, re.M), out[-4000:]
     assert re.search(r"^\| beside:wait \| [\d.]+ \(", out, re.M), out[-4000:]
@@ -238,6 +239,7 @@ def test_swap_replay_smoke():
     """The swap's load alone on tiny dims: the replay is bit-exact and every row is printed."""
     out = run_script(["benchmarks/swap_replay.py", "--device", "cpu", "--tiny", "--reps", "2"],
                      deadline_s=120)
-    assert "bit-exact: True" in out, out
-    for row in ("replay", "loader", "copies", "foreach", "floor"):
+    assert "bit-exact: True" in out and "checksums agree: True" in out, out
+    for row in ("replay", "loader", "copies", "foreach", "floor", "replay_summed", "sums",
+                "sums_torch"):
         assert re.search(rf"^  {row} +host +[\d.]+", out, re.M), out

@@ -4,9 +4,11 @@ replay off with the reason. Real vLLM engines replay in `tests/test_vllm_engine.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_nccl_sync.engine.copyplan import CopyPlan
+from vllm_nccl_sync.wire import cuda_sums
 
 
 class Toy(torch.nn.Module):
@@ -194,3 +196,36 @@ def test_replayed_writes_that_overlap_keep_their_order():
         plan.load(batch, m.load_weights)
         assert torch.equal(m.p, torch.cat([batch[0][1][:4], batch[1][1]]))
     assert plan.replayed == 2
+
+
+@pytest.mark.gpu
+def test_a_replay_tapped_by_a_receiver_copies_bit_exact_and_hands_over_each_checksum():
+    """On CUDA, whole copies of tensors a receiver taps go through one `copy_summed` launch:
+    the parameters are what the loader writes, and each tapped tensor's checksum terms equal
+    the formula's over its bytes (what the receiver would have summed itself)."""
+    from vllm_nccl_sync.wire.cuda_sums import Tap, tapping
+    from vllm_nccl_sync.wire.integrity import _terms, checksum_parts_gpu, read_back
+
+    if cuda_sums.triton is None:
+        pytest.skip("Triton is not installed")
+    m, ref = Toy().cuda(), Toy().cuda()
+    plan = CopyPlan()
+    plan.refresh(params(m))
+    plan.load([(n, t.cuda()) for n, t in weights(1)], m.load_weights)  # records
+    named = [(n, t.cuda()) for n, t in weights(2)]
+    ref.load_weights(named)
+    tap = Tap()
+    parts = [t.reshape(-1).view(torch.uint8) for _, t in named]
+    for p in parts:
+        tap.want(p)
+    token = tapping.set(tap)
+    try:
+        plan.load(named, m.load_weights)
+    finally:
+        tapping.reset(token)
+    assert all(torch.equal(a, b) for a, b in zip(state(m).values(), state(ref).values()))
+    summed = [tap.take(p) for p in parts]
+    assert summed[0] is not None  # q: a whole, aligned copy into its slice of qkv
+    assert summed[3] is None  # proj_t is copied transposed: not a whole copy
+    assert read_back([checksum_parts_gpu(parts, summed)]) == read_back(
+        [checksum_parts_gpu(parts, [_terms(p) for p in parts])])

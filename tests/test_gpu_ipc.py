@@ -8,7 +8,8 @@ the copies out of it had *executed* would corrupt the result, and a receiver tha
 before the sender's pack into it executed would fail the checksum: bit-exactness shows neither
 happens. A state dict's large tensors are read where they lie in the trainer's memory (the
 trainer zeroes them as soon as its push returns: the engine's copies must have run by its Ack);
-with expandable segments they are packed instead. Faults: a trainer killed between buckets, a
+with expandable segments they are packed instead. Faults: bytes changed after the trainer
+checksummed them, a trainer killed between buckets, a
 receiver killed mid-update, a handle claiming more memory than its allocation, headers naming
 memory outside what the trainer exported.
 
@@ -270,7 +271,8 @@ def test_a_state_dict_is_read_where_it_lies_bit_exact_and_the_trainer_writes_onl
     sent, got = run_procs([(in_place_trainer, (cfg, seeds)), (receiver, (cfg, len(seeds)))],
                           DEADLINE)
     assert all(s["ok"] and s["acks"] == [1] for s in sent), sent
-    assert all(s["in_place"] == 4 for s in sent), sent  # the embedding's 3 chunks, the mlp
+    assert all(s["in_place"] == 8 for s in sent), sent  # every slot: the embedding's 3 chunks
+    # in buckets of their own, the 5 others gathered into one
     for seed, upd in zip(seeds, got["updates"], strict=True):
         assert upd["summary"]["ok"] and upd["summary"]["version"] == seed, upd["summary"]
         assert upd["digests"] == digests(tensors(seed))  # loads slowed down on the device
@@ -282,7 +284,7 @@ def test_a_state_dict_under_expandable_segments_arrives_bit_exact():
     cannot has them packed instead."""
     cfg = _cfg()
     sent, got = run_procs([(trainer_dict_expandable, (cfg,)), (receiver, (cfg, 1))], DEADLINE)
-    assert sent["ok"] and sent["in_place"] in (0, 4), sent
+    assert sent["ok"] and sent["in_place"] in (0, 8), sent
     assert got["updates"][0]["summary"]["ok"]
     assert got["updates"][0]["digests"] == digests(tensors(4))
 
@@ -322,3 +324,43 @@ def receiver_of_refusals(cfg: dict) -> dict:
     torch.cuda.synchronize()
     rx.close()
     return {"first": first, "digests": digests(targets)}
+
+
+def garbling_trainer(cfg: dict) -> list[dict]:
+    """Pushes seed 1 as a state dict, then seed 2 with one byte changed after its checksum was
+    computed and before the engine reads it (another writer, a reuse bug)."""
+    from vllm_nccl_sync.trainer.lane import BucketLane
+
+    real = BucketLane.settle
+
+    def settle(self):
+        real(self)
+        if getattr(self, "garble", False) and self.held:
+            self.held[-1][0] += 1
+            torch.cuda.synchronize()
+
+    BucketLane.settle = settle
+    from vllm_nccl_sync import PushClient, SyncConfig
+
+    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
+    client.connect()
+    out = []
+    for seed in (1, 2):
+        client.lane.garble = seed == 2
+        named = {n: t.cuda() for n, t in tensors(seed).items()}
+        try:
+            client.push(named, version=seed, staged=True)
+            out.append({"ok": True})
+        except Exception as e:  # noqa: BLE001
+            out.append({"ok": False, "error": str(e)})
+    client.close()
+    return out
+
+
+def test_bytes_changed_after_the_trainer_summed_them_are_caught_and_nothing_is_loaded():
+    cfg = _cfg()
+    sent, got = run_procs([(garbling_trainer, (cfg,)), (receiver, (cfg, 2))], DEADLINE)
+    assert sent[0]["ok"] and not sent[1]["ok"] and "corrupted" in sent[1]["error"], sent
+    first, second = got["updates"]
+    assert first["summary"]["ok"] and not second["summary"]["ok"], second["summary"]
+    assert first["digests"] == second["digests"] == digests(tensors(1))  # staged: untouched

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu, read_back
+from vllm_nccl_sync.wire.integrity import (
+    checksum,
+    checksum_gpu,
+    checksum_parts,
+    checksum_parts_gpu,
+    read_back,
+)
 
 N = 3 * 4096 + 8 * 5 + 3  # whole 4 KiB rows, a tail of words, and loose bytes
 
@@ -60,6 +66,7 @@ def test_cpu_checksum_ignores_the_start_address() -> None:
     assert checksum(data[:0]) == checksum(torch.empty(0, dtype=torch.uint8)) != 0
 
 
+@pytest.mark.gpu
 def test_gpu_checksum_equals_the_cpu_one() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -67,3 +74,43 @@ def test_gpu_checksum_equals_the_cpu_one() -> None:
     data = torch.randint(0, 256, (N + 3,), dtype=torch.uint8, generator=g)
     for view in (data, data[3:], data[:511], data[:0]):
         assert read_back([checksum_gpu(view.cuda())]) == [checksum(view)]
+
+
+def _parts(seed: int) -> list[torch.Tensor]:
+    """Parts of a gathered bucket: whole rows, rows and a tail, a tail only, loose bytes."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = (2 * 4096, 64 * 4096 * 3 + 8 * 7, 8 * 33, 8 * 5 + 3, 8)
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+
+
+def test_a_gathered_bucket_of_one_part_has_that_parts_checksum_and_faults_change_it() -> None:
+    parts = _parts(6)
+    assert checksum_parts(parts[1:2]) == checksum(parts[1])
+    ref = checksum_parts(parts)
+    assert 0 < ref < 2**63 and ref % 2 == 1
+    bad = {"two parts swapped": [parts[1], parts[0], *parts[2:]],
+           "a part missing": parts[:-1],
+           "bytes moved from one part to the next": [parts[0][:-8], torch.cat(
+               [parts[0][-8:], parts[1]]), *parts[2:]]}
+    for k in (0, 1, 3):
+        flipped = [p.clone() for p in parts]
+        flipped[k][-1] ^= 0x01
+        bad[f"a bit flipped in part {k}"] = flipped
+    for what, got in bad.items():
+        assert checksum_parts(got) != ref, what
+
+
+@pytest.mark.gpu
+def test_gathered_gpu_checksums_equal_the_cpu_ones_misaligned_parts_included() -> None:
+    """On CUDA the parts' whole words are summed by one kernel (where Triton is installed),
+    the rest by torch: the values must be the CPU formula's, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    parts = _parts(7)
+    odd = torch.randint(0, 256, (4096 + 9,), dtype=torch.uint8)
+    host = [*parts, odd[1:]]  # a part not aligned to 8 bytes
+    dev = [p.cuda() for p in parts] + [odd.cuda()[1:]]
+    for _ in range(2):  # the second call reuses the kernel's cached table
+        assert read_back([checksum_parts_gpu(dev)]) == [checksum_parts(host)]
+    dev[1][5] ^= 0x40  # the cached table holds addresses, never values
+    assert read_back([checksum_parts_gpu(dev)]) != [checksum_parts(host)]

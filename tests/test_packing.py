@@ -229,3 +229,26 @@ def test_zero_byte_tensors_never_make_a_bucket_of_their_own():
         got.update({n: t.clone() for n, t in re.unpack(h, wire)})
     assert got["empty"].shape == (0, 3) and torch.equal(got["big1"], big + 1)
 
+
+
+def test_a_bucket_read_where_its_slots_lie_unpacks_from_one_part_per_slot():
+    """Buckets gathered from where each slot lies (no buffer): the slots' bytes come as one flat
+    tensor each, a tensor over the capacity reassembled from its chunks across buckets."""
+    from vllm_nccl_sync.wire.packing import as_bytes
+
+    tensors = [(n, t) for n, t in mixed_tensors(3) if t.numel() and t.is_contiguous()]
+    capacity = 1024
+    buckets = list(plan_buckets(tensors, capacity, capacity + 1))
+    re, out = Reassembler(), {}
+    for seq, b in enumerate(buckets):
+        h = b.header(1, seq, seq == len(buckets) - 1, PROTOCOL_VERSION)
+        validate_header(h, seq, capacity)
+        parts = [as_bytes(src)[s.start : s.start + s.nbytes].clone()
+                 for s, src in zip(b.slots, b.sources, strict=True)]
+        out.update((n, t.clone()) for n, t in re.unpack(h, parts))
+    re.finish()
+    assert len(buckets) < len(tensors) + 2  # gathered, the 2800-byte tensor over 3 buckets
+    assert list(out) == [n for n, _ in tensors]
+    for name, t in tensors:
+        assert torch.equal(out[name].reshape(-1).view(torch.uint8),
+                           t.reshape(-1).view(torch.uint8)), name

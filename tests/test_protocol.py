@@ -192,13 +192,14 @@ def test_a_nested_header_of_another_protocol_is_refused():
     assert decode(encode(msgspec.structs.replace(plan, buckets=plan.buckets[:2]))).buckets[1].seq == 1
 
 
-def test_a_bucket_read_where_it_lies_holds_one_slot_and_round_trips():
-    one = msgspec.structs.replace(header([Slot("a", "bfloat16", [32], 0, 64)], 64),
-                                  at=Source(3, 128))
-    assert decode(encode(one)) == one
-    validate_header(one, 0, CAP)
-    two = msgspec.structs.replace(header([Slot("a", "bfloat16", [32], 0, 64),
-                                          Slot("b", "bfloat16", [32], 64, 64)], 128),
-                                  at=Source(3, 128))
-    with pytest.raises(ValueError, match="one slot only"):
-        validate_header(two, 0, CAP)
+def test_a_bucket_read_where_it_lies_names_a_place_per_slot_and_round_trips():
+    slots = [Slot("a", "bfloat16", [32], 0, 64), Slot("b", "bfloat16", [32], 64, 64)]
+    two = msgspec.structs.replace(header(slots, 128), at=[Source(3, 128), Source(5, 0)])
+    assert decode(encode(two)) == two
+    validate_header(two, 0, CAP)
+    short = msgspec.structs.replace(two, at=[Source(3, 128)])
+    with pytest.raises(ValueError, match="names 1 places for 2 slots"):
+        validate_header(short, 0, CAP)
+    empty = msgspec.structs.replace(header([Slot("e", "bfloat16", [0], 0, 0)], 0), at=[Source(1, 0)])
+    with pytest.raises(ValueError, match="no empty slot"):
+        validate_header(empty, 0, CAP)

@@ -7,7 +7,10 @@ soon as it arrived and compared with the sender's `Digest` before anything of it
 otherwise it is computed on the device beside the collective and every one is read back once, at
 the `Seal`. Where the transport asks for `canary_bytes`, the whole buffer is posted with that many
 random bytes past `length`: a sender that broadcasts more than it announced is caught instead of
-ending the process, and one that broadcasts fewer leaves stale bytes the checksum rejects.
+ending the process, and one that broadcasts fewer leaves stale bytes the checksum rejects. A
+bucket read where its slots lie in the sender's memory (`ipc`) is checksummed part by part: by
+the loads themselves where they copy a part whole (`cuda_sums.Tap`: one read of those bytes),
+the other parts at the `Seal`, before this receiver's `Ack` lets the sender write them again.
 
 CUDA ordering: the host only queues work. Collectives are issued from a side stream that waits
 only for the loads that last read the buffer; loads run on a second side stream that waits for
@@ -27,7 +30,14 @@ import torch
 
 from vllm_nccl_sync.outcomes import clip
 from vllm_nccl_sync.planes.base import Transport
-from vllm_nccl_sync.wire.integrity import checksum, checksum_gpu, read_back
+from vllm_nccl_sync.wire.cuda_sums import Tap, tapping, warm
+from vllm_nccl_sync.wire.integrity import (
+    checksum,
+    checksum_gpu,
+    checksum_parts,
+    checksum_parts_gpu,
+    read_back,
+)
 from vllm_nccl_sync.wire.protocol import BucketHeader, Seal
 
 _MASK = (1 << 64) - 1
@@ -59,11 +69,16 @@ class ReceivePlane:
             self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
                                         pin_memory=feeds_cuda) for _ in range(2)]
         self._pinned_for = engine if feeds_cuda else None
-        self.in_place: dict[int, torch.Tensor] = {}
-        """Buckets read where they lie in the sender's memory (`BucketHeader.at`), by seq."""
+        self.in_place: dict[int, list[torch.Tensor]] = {}
+        """Buckets read where their slots lie in the sender's memory (`BucketHeader.at`), by
+        seq: one flat tensor per slot."""
         self.read_in_place = 0
+        self.tap = Tap()
+        """What this receiver checksums of the sender's memory, and what its loads summed."""
         self.cuda = self.device.type == "cuda"
         if self.cuda:
+            if self.shared:  # ipc: its checksum kernels built now, not in the first updates
+                warm(self.device)
             self._issue = torch.cuda.Stream(self.device)
             self._load = torch.cuda.Stream(self.device)
             self._cksum = torch.cuda.Stream(self.device)
@@ -95,35 +110,54 @@ class ReceivePlane:
         """A new update: CUDA loads queue after whatever the engine queued before."""
         self.in_place.clear()
         self.read_in_place = 0
+        self.tap = Tap()
         if self.cuda:
             self._load.wait_stream(torch.cuda.current_stream(self.device))
             for ev in self._free:
                 ev.record(self._load)
 
-    def loading(self) -> contextlib.AbstractContextManager:
-        """Where loads run: the load stream on CUDA, the current thread elsewhere."""
-        return torch.cuda.stream(self._load) if self.cuda else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Where loads run: the load stream on CUDA (its copies may sum what they read of the
+        sender's memory for this receiver: `tap`), the current thread elsewhere."""
+        if not self.cuda:
+            yield
+            return
+        token = tapping.set(self.tap)
+        try:
+            with torch.cuda.stream(self._load):
+                yield
+        finally:
+            tapping.reset(token)
 
     def mapping_problem(self, headers: list[BucketHeader], rank: int, plan: bool = False) -> str:
         """Why headers naming the sender's memory (`at`) cannot be read ("" if they can): a
         plane that maps none, a segment never exported, on another GPU, or a range past it.
-        Each segment is mapped once; a `plan` unmaps what it no longer names."""
+        Each segment is mapped once; a `plan` that reads some in place unmaps the segments it
+        no longer names (a plan that reads none, a stream, says nothing about them)."""
         if plan:
             for src, t in enumerate(self.transports):
-                t.keep_mapped({h.at.segment for h in headers if h.at is not None and h.src == src})
+                named = {at.segment for h in headers if h.src == src for at in h.at or []}
+                if named:
+                    t.keep_mapped(named)
         for h in headers:
             if h.at is not None:
                 try:
-                    self.transports[h.src].mapped(h.at, h.length)
+                    self._parts(h)
                 except (ValueError, RuntimeError) as e:
                     return f"rank {rank} refused bucket {h.seq}: {clip(str(e))}"
         return ""
+
+    def _parts(self, header: BucketHeader) -> list[torch.Tensor]:
+        """The slots of a bucket read where they lie, mapped: one flat tensor each."""
+        t = self.transports[header.src]
+        return [t.mapped(at, s.nbytes) for at, s in zip(header.at or [], header.slots, strict=True)]
 
     def post(self, header: BucketHeader, seq: int) -> tuple[Any, torch.Tensor | None]:
         """Post the collective filling buffer seq % 2; returns its handle and canary (if any).
         A bucket read where it lies posts nothing: its handle holds the mapped bytes."""
         if header.at is not None:
-            return _Mapped(self.transports[header.src].mapped(header.at, header.length)), None
+            return _Mapped(self._parts(header)), None
         i, length = seq % 2, header.length
         buf, t = self.buffers[i], self.transports[header.src]
         if self.canary_bytes:
@@ -144,10 +178,14 @@ class ReceivePlane:
         checksum: an int now (`digest_per_bucket`), else one queued beside on the device."""
         work.wait()
         if isinstance(work, _Mapped):
-            data = self.in_place[seq] = work.data
+            parts = self.in_place[seq] = work.parts
             self.read_in_place += 1
-        else:
-            data = self.buffers[seq % 2][:length]
+            if not self.cuda:
+                return checksum_parts(parts)
+            for p in parts:  # summed by the loads that copy them whole, the rest at the Seal
+                self.tap.want(p)
+            return _Gathered(parts)
+        data = self.buffers[seq % 2][:length]
         if self.digest_per_bucket:
             return checksum(data)  # while the sender's Digest (and bucket k+1) fly
         with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both
@@ -156,8 +194,9 @@ class ReceivePlane:
             self._cksum_done[seq % 2].record(self._cksum)
         return got
 
-    def bucket(self, seq: int) -> torch.Tensor:
-        """Where bucket `seq`'s bytes are to be unpacked from (once `arrived`)."""
+    def bucket(self, seq: int) -> torch.Tensor | list[torch.Tensor]:
+        """Where bucket `seq`'s bytes are to be unpacked from (once `arrived`): the buffer, or
+        one flat tensor per slot where they lie."""
         got = self.in_place.get(seq)
         return self.buffers[seq % 2] if got is None else got
 
@@ -200,6 +239,9 @@ class ReceivePlane:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_stream(self._cksum)
             cur.wait_stream(self._load)
+            self.tap.sum_missing([p for s in sums if isinstance(s, _Gathered) for p in s.parts])
+            sums = [checksum_parts_gpu(s.parts, [self.tap.take(p) for p in s.parts])
+                    if isinstance(s, _Gathered) else s for s in sums]
         return read_back(sums)
 
     def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:
@@ -231,11 +273,19 @@ class ReceivePlane:
             t.close()
 
 
-class _Mapped:
-    """A bucket read where it lies: nothing to wait for, its bytes are the sender's memory."""
+class _Gathered:
+    """The checksum of a bucket read where its slots lie, owed: the loads may compute parts of
+    it as they copy (`tap`); `values` computes the rest once the loads ran."""
 
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+
+
+class _Mapped:
+    """A bucket read where its slots lie: nothing to wait for, they are the sender's memory."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
 
     def wait(self) -> bool:
         return True

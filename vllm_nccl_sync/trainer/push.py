@@ -281,10 +281,9 @@ class PushClient:
                 pending.append((h, lambda: wire))
             else:
                 bucket, is_last = next(planned)
-                at = lane.at(bucket) if in_place else None
+                at = lane.at(bucket, seq) if in_place else None
                 h = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force, staged, at)
-                pending.append((h, lambda: lane.wire(bucket.slots, bucket.sources,
-                                                     in_place=at is not None)))
+                pending.append((h, lambda: lane.wire(bucket.slots, bucket.sources)))
             return h
 
         t0 = time.perf_counter()
@@ -297,6 +296,8 @@ class PushClient:
                        and size <= MAX_FRAME_BYTES // 2 and len(headers) < MAX_PLAN_BUCKETS):
                     headers.append(plan_next())  # past the bounds: the rest follows as a stream
                     size += len(msgspec.msgpack.encode(headers[-1]))
+                if any(h.at is not None for h in headers):
+                    lane.settle()  # what receivers read where it lies is final, and summed
                 rounds.open(Plan(PROTOCOL_VERSION, version, specs, full, force, adapter, headers,
                                  staged), headers[-1].seq)
                 window = max(window, len(headers))  # a plan too big for one frame: the rest

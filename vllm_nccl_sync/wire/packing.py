@@ -94,7 +94,7 @@ class Bucket:
         protocol: int,
         force: bool = False,
         staged: bool = False,
-        at: Source | None = None,
+        at: list[Source] | None = None,
     ) -> BucketHeader:
         return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged,
                             at=at)
@@ -292,8 +292,12 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
             )
     if end != header.length:
         raise ValueError(f"bucket length {header.length} != end of its last tensor {end}")
-    if header.at is not None and sum(s.nbytes > 0 for s in header.slots) > 1:
-        raise ValueError("a bucket read where it lies (at) holds the bytes of one slot only")
+    if header.at is not None:
+        if len(header.at) != len(header.slots):
+            raise ValueError(f"a bucket read where it lies names {len(header.at)} places for "
+                             f"{len(header.slots)} slots")
+        if not all(s.nbytes for s in header.slots):
+            raise ValueError("a bucket read where it lies holds no empty slot")
 
 
 RowLoader = Callable[[str, torch.Tensor, int, list[int]], bool]
@@ -345,13 +349,15 @@ class Reassembler:
             self._direct[s.name] = (first, got)
         return True
 
-    def unpack(self, header: BucketHeader, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The tensors completed by this bucket, as `(name, tensor)`; views of `buf` if whole."""
+    def unpack(self, header: BucketHeader,
+               buf: torch.Tensor | list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors completed by this bucket, as `(name, tensor)`; views of `buf` if whole.
+        `buf`: the bucket's bytes, or one flat tensor per slot (a bucket read where it lies)."""
         out: list[tuple[str, torch.Tensor]] = []
-        for s in header.slots:
+        for i, s in enumerate(header.slots):
             dtype = DTYPES[s.dtype]
             total = tensor_nbytes(s.dtype, s.shape)
-            data = buf[s.offset : s.offset + s.nbytes]
+            data = buf[i] if isinstance(buf, list) else buf[s.offset : s.offset + s.nbytes]
             if s.start == 0 and s.nbytes == total:
                 if s.name in self._partial or s.name in self._direct:
                     raise ValueError(f"tensor {s.name!r}: sent whole while chunks are pending")
@@ -366,7 +372,7 @@ class Reassembler:
                 if s.start != 0:
                     raise ValueError(f"tensor {s.name!r}: chunk at byte {s.start} before byte 0")
                 try:
-                    staging = torch.empty(total, dtype=torch.uint8, device=buf.device)
+                    staging = torch.empty(total, dtype=torch.uint8, device=data.device)
                 except (RuntimeError, MemoryError) as e:  # includes torch.OutOfMemoryError
                     msg = f"tensor {s.name!r}: cannot allocate {total} bytes to reassemble it: {e}"
                     raise ValueError(msg) from None

@@ -47,11 +47,13 @@ import msgspec
 
 from vllm_nccl_sync.outcomes import ProtocolError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on every incompatible change of these messages or of the checksums they carry
 (5: the CPU bucket checksum sums rows of 512 bytes; 6: `Hello` carries the engine's `dtype`, and
 the decoder enforces the bounds below; 7: a bucket may be read in place from the sender's
-exported memory (`BucketHeader.at`), and the CUDA checksum reads the bytes once)."""
+exported memory (`BucketHeader.at`), and the CUDA checksum reads the bytes once; 8: such a
+bucket gathers its slots from where each lies, one `Source` per slot, and its checksum is
+`integrity.checksum_parts` of them)."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Upper bound of one control frame; larger frames are rejected before decoding."""
@@ -155,7 +157,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
 
 
 class Source(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where a bucket's bytes already lie: byte `offset` of memory `segment` that the sender
+    """Where a slot's bytes already lie: byte `offset` of memory `segment` that the sender
     exported on its data plane (each receiver maps a segment once and checks the range)."""
 
     segment: Count
@@ -178,9 +180,10 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
     src: Count = 0
     """The sender whose data-plane group carries this bucket (0 with one sender)."""
-    at: Source | None = None
-    """Set on a plane whose receivers map the sender's memory (`ipc`): the bucket's `length`
-    bytes are read where they lie, nothing is broadcast or packed (one copy per byte)."""
+    at: Annotated[list[Source], msgspec.Meta(max_length=MAX_TENSORS)] | None = None
+    """Set on a plane whose receivers map the sender's memory (`ipc`): slot i's `nbytes` lie at
+    `at[i]` and are read there, nothing is broadcast or packed (one copy per byte). `length`
+    and the slots' offsets are still the packed layout's, so every size is agreed alike."""
 
 
 class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
