@@ -55,6 +55,7 @@ vLLM's default 1 GiB buffer cannot hold the 1.09 GB embedding, and the refusal c
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
 import os
 import shutil
@@ -334,6 +335,8 @@ class Colocated(bvg.Driver):
         self.errors: dict[str, str] = {}
         self.after: dict[str, dict] = {}
         self.failed = ""  # an engine-side failure of the update in flight
+        self.profiler = cProfile.Profile() if args.profile else None
+        self.profiled = COMPARE["cpu" if args.cpu_smoke else "gpu"][0]
 
     def use(self, plane: str) -> None:
         """Make `plane`'s engine session the current one."""
@@ -372,6 +375,9 @@ class Colocated(bvg.Driver):
             self.serve("finish_weight_update")
             return {}
         try:
+            if self.profiler is not None and method == self.profiled:
+                with self.profiler:
+                    return super().engine_side("ours", bucket)
             return super().engine_side("raw" if method == "raw_gloo" else "ours", bucket)
         except Exception as e:  # noqa: BLE001 - the trainer's reply is still to come: `run`
             self.failed = text(e)
@@ -472,7 +478,7 @@ def summary(rows: list[dict], mode: str) -> str:
     phases = by[ours].get("trainer_phases_s_median")
     if phases:  # where the trainer's push spent its time, and the receiver's part of it
         rx = by[ours].get("rx_s_median")
-        line += (f" Its push, median ms by phase: "
+        line += (" Its push, median ms by phase: "
                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items())
                  + (f"; the receiver, Ready to Commit: {rx * 1e3:.1f}." if rx else "."))
     return line
@@ -590,6 +596,9 @@ def driver(args: argparse.Namespace) -> dict:
         methods = [(m, VLLM_BUFFER.get(m, bucket if m in PLANE else 0)) for m in args.methods]
         main = [m for m in methods if m[0] != LAST]
         runs = bvg.timed(drv, main, args.reps)
+        if drv.profiler is not None:
+            drv.profiler.dump_stats(args.profile)
+            drv.profiler = None  # the checks below are not profiled
         drv.llm.collective_rpc("bench_free_raw")
         if gpu:
             torch.cuda.empty_cache()
@@ -648,6 +657,10 @@ def main() -> None:
     ap.add_argument("--methods", default="",
                     help=f"comma list (default: all; floor always runs): GPU "
                          f"{', '.join(GPU_METHODS)}; --cpu-smoke {', '.join(CPU_METHODS)}")
+    ap.add_argument("--profile", default="",
+                    help="write a cProfile of the engine's side of this project's updates "
+                         "(ours, or ours_shm: the receive RPCs of the timed reps, this "
+                         "process) to this file")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="script check on a CPU vLLM: tiny dims, floor, raw_gloo, ours_gloo, "
                          "ours_shm")

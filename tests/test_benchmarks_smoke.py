@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pstats
 import re
 import signal
 import subprocess
@@ -107,9 +108,13 @@ def test_bench_colocated_cpu_smoke(tmp_path):
     one CPU engine, both planes joined at once (a session each)."""
     path = tmp_path / "colocated.json"
     out = run_script(["benchmarks/bench_colocated.py", "--cpu-smoke", "--layers", "2",
-                      "--bucket-mib", "0.0625", "--reps", "2", "--json", str(path)], deadline_s=300)
+                      "--bucket-mib", "0.0625", "--reps", "2", "--json", str(path),
+                      "--profile", str(tmp_path / "engine.prof")], deadline_s=300)
     rows = table_rows(out, "", slice(0, 2))
     checked = {"ours_gloo 64 KiB", "ours_shm 64 KiB"}
+    profiled = pstats.Stats(str(tmp_path / "engine.prof"))  # the receive RPCs of ours_shm
+    assert any(fn[2] == "receive" for fn in profiled.stats), out[-2000:]
+    assert re.search(r"Its push, median ms by phase: layout [\d.]+", out), out[-2000:]
     assert set(rows) == {"method bucket", "floor -", "floor_per_tensor -",
                          "raw_gloo 64 KiB"} | checked, out
     assert all(rows[k][-1] == "yes" for k in checked), out
