@@ -327,34 +327,21 @@ def receiver_of_refusals(cfg: dict) -> dict:
 
 
 def garbling_trainer(cfg: dict) -> list[dict]:
-    """Pushes seed 1 as a state dict, then seed 2 with one byte changed after its checksum was
-    computed and before the engine reads it (another writer, a reuse bug)."""
+    """Pushes seeds 1 and 2 as state dicts, staged; in the second, one byte changes after its
+    checksum was computed and before the engine reads it (another writer, a reuse bug)."""
     from vllm_nccl_sync.trainer.lane import BucketLane
 
-    real = BucketLane.settle
+    real, calls = BucketLane.settle, []
 
     def settle(self):
         real(self)
-        if getattr(self, "garble", False) and self.held:
+        calls.append(1)
+        if len(calls) == 2:
             self.held[-1][0] += 1
             torch.cuda.synchronize()
 
     BucketLane.settle = settle
-    from vllm_nccl_sync import PushClient, SyncConfig
-
-    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
-    client.connect()
-    out = []
-    for seed in (1, 2):
-        client.lane.garble = seed == 2
-        named = {n: t.cuda() for n, t in tensors(seed).items()}
-        try:
-            client.push(named, version=seed, staged=True)
-            out.append({"ok": True})
-        except Exception as e:  # noqa: BLE001
-            out.append({"ok": False, "error": str(e)})
-    client.close()
-    return out
+    return push_each(cfg, [1, 2], staged=True, state_dict=True)
 
 
 def test_bytes_changed_after_the_trainer_summed_them_are_caught_and_nothing_is_loaded():
