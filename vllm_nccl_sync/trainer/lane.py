@@ -133,7 +133,7 @@ class BucketLane:
             return plan_buckets(items, self.capacity, alone)
         names = {n for n, _ in mine}
         rest = [(n, t) for n, t in items if n not in names]
-        gathered = list(plan_buckets(mine, self.capacity, self.capacity + 1))
+        gathered = list(plan_buckets(mine, self.capacity, self.capacity + 1))  # none alone
         if self.check and self._stream is not None:  # every checksum in one launch
             self._ahead.sum_missing([p for b in gathered for p in _parts(b)])
         return itertools.chain(gathered, plan_buckets(rest, self.capacity, alone))
@@ -141,8 +141,9 @@ class BucketLane:
     def at(self, bucket: Bucket, seq: int) -> list[Source] | None:
         """Where each slot of bucket `seq` lies in memory the receivers map, if every one does
         (the tensors are held until the next update: receivers read them until they
-        acknowledge). Its checksum is queued now on this device's stream, so the wait before
-        the plan (`settle`) covers it and the engine's reads do not share the GPU with it."""
+        acknowledge). Its checksum is made of the terms `layout` summed ahead on this device's
+        stream, so the wait before the plan (`settle`) covers it and the engine's reads do not
+        share the GPU with it."""
         places = []
         for slot, src in zip(bucket.slots, bucket.sources, strict=True):
             where = self.transport.export(src) if slot.nbytes and src.device == self.device \

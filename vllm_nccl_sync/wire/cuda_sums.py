@@ -200,7 +200,7 @@ class Tap:
         self.got[(t.data_ptr(), t.numel() * t.element_size())] = terms
 
     def take(self, part: torch.Tensor) -> Terms | None:
-        return self.got.get((part.data_ptr(), part.numel()))
+        return self.got.get((part.data_ptr(), part.numel() * part.element_size()))
 
     def sum_missing(self, parts: Sequence[torch.Tensor]) -> None:
         """Sum the flat uint8 CUDA `parts` not summed yet, all in one launch (where the kernel
