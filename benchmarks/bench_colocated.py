@@ -243,6 +243,7 @@ def trainer(args: argparse.Namespace) -> None:
     client = HandlesClient(sock)
     clients: dict[str, PushClient] = {}
     phases: dict[str, float] = {}  # this update's push, by phase (`timing`)
+    profiler = cProfile.Profile() if args.profile else None  # this side of `ours`' pushes
     kept: dict[str, int] = {}
     peak: dict[str, int] = {}
     while True:
@@ -284,7 +285,12 @@ def trainer(args: argparse.Namespace) -> None:
                     clients["gloo"].transport.broadcast(src).wait()
                 elif method in PLANE:
                     sent = tensors.items() if method == "ours_packed" else tensors  # a stream packs
-                    clients[PLANE[method]].push(sent, version=msg["version"])
+                    push = clients[PLANE[method]].push
+                    if profiler is not None and method == COMPARE["gpu" if gpu else "cpu"][0]:
+                        with profiler:
+                            push(sent, version=msg["version"])
+                    else:
+                        push(sent, version=msg["version"])
                 else:
                     vllm_send(client, tensors, method)
                 sync()
@@ -299,6 +305,8 @@ def trainer(args: argparse.Namespace) -> None:
         sock.send_json({"ok": True, "s": s, "phases": dict(phases)})
     for c in clients.values():
         c.close()
+    if profiler is not None:
+        profiler.dump_stats(args.profile + ".trainer")
     sock.close(linger=5000)  # the last reply goes out before the process ends
     ctx.term()
 
@@ -480,7 +488,11 @@ def summary(rows: list[dict], mode: str) -> str:
         rx = by[ours].get("rx_s_median")
         line += (" Its push, median ms by phase: "
                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items())
-                 + (f"; the receiver, Ready to Commit: {rx * 1e3:.1f}." if rx else "."))
+                 + (f"; the receiver, Ready to Commit: {rx * 1e3:.1f}" if rx else ""))
+        if rx_phases := by[ours].get("rx_phases_s_median"):
+            line += (" (from its plan, ms spent reaching each step: "
+                     + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rx_phases.items()) + ")")
+        line += "."
     return line
 
 
@@ -559,6 +571,7 @@ def driver(args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "trainer", "--ctl-port",
            str(ctl_port), "--layers", str(args.layers)]
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+    cmd += ["--profile", args.profile] if args.profile else []
     env = dict(os.environ,
                PYTHONPATH=os.pathsep.join([bvg.ROOT, os.environ.get("PYTHONPATH", "")]))
     with os.fdopen(fd, "w") as out:
@@ -660,7 +673,7 @@ def main() -> None:
     ap.add_argument("--profile", default="",
                     help="write a cProfile of the engine's side of this project's updates "
                          "(ours, or ours_shm: the receive RPCs of the timed reps, this "
-                         "process) to this file")
+                         "process) to this file, and of the trainer's pushes to FILE.trainer")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="script check on a CPU vLLM: tiny dims, floor, raw_gloo, ours_gloo, "
                          "ours_shm")

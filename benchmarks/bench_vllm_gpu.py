@@ -546,7 +546,8 @@ class Driver:
             [s] = llm.collective_rpc("nccl_sync_receive", args=(120.0,))
             if not s.get("ok"):
                 raise RuntimeError(f"receive failed: {s}")
-            return {"rx_s": s["seconds"], "buckets": s["buckets"]}
+            return {"rx_s": s["seconds"], "buckets": s["buckets"],
+                    **({"rx_phases": rx_phases(s["marks_ms"])} if "marks_ms" in s else {})}
         if method == "raw":
             llm.collective_rpc("bench_raw", args=(self.info["nbytes"],))
             return {}
@@ -593,6 +594,18 @@ class Driver:
                 "unexpected": sorted(set(got) - set(want))[:10]}
 
 
+def rx_phases(marks_ms: dict[str, float]) -> dict[str, float]:
+    """A receiver's marks (`marks_ms`, ms from its plan) as seconds spent reaching each kind of
+    step, per-bucket steps summed (`kept3` -> `kept`: loading bucket 3)."""
+    out: dict[str, float] = {}
+    prev = 0.0
+    for name, t in marks_ms.items():
+        kind = name.rstrip("0123456789")
+        out[kind] = out.get(kind, 0.0) + (t - prev) / 1e3
+        prev = t
+    return out
+
+
 def stats(runs: list[dict]) -> dict:
     times = [r["s"] for r in runs]
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
@@ -603,7 +616,11 @@ def stats(runs: list[dict]) -> dict:
             **({"trainer_phases_s_median": {k: statistics.median(r["phases"].get(k, 0.0)
                                                                  for r in runs)
                                             for k in runs[0]["phases"]}}
-               if all("phases" in r for r in runs) else {})}
+               if all("phases" in r for r in runs) else {}),
+            **({"rx_phases_s_median": {k: statistics.median(r["rx_phases"].get(k, 0.0)
+                                                            for r in runs)
+                                       for k in runs[0]["rx_phases"]}}
+               if all("rx_phases" in r for r in runs) else {})}
 
 
 def timed(drv: Driver, methods: list[tuple[str, int]], reps: int) -> dict:

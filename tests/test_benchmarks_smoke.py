@@ -114,6 +114,8 @@ def test_bench_colocated_cpu_smoke(tmp_path):
     checked = {"ours_gloo 64 KiB", "ours_shm 64 KiB"}
     profiled = pstats.Stats(str(tmp_path / "engine.prof"))  # the receive RPCs of ours_shm
     assert any(fn[2] == "receive" for fn in profiled.stats), out[-2000:]
+    pushed = pstats.Stats(str(tmp_path / "engine.prof.trainer"))  # the trainer's pushes of it
+    assert any(fn[2] == "push" for fn in pushed.stats), out[-2000:]
     assert re.search(r"Its push, median ms by phase: layout [\d.]+", out), out[-2000:]
     assert set(rows) == {"method bucket", "floor -", "floor_per_tensor -",
                          "raw_gloo 64 KiB"} | checked, out
@@ -131,6 +133,10 @@ def test_bench_colocated_cpu_smoke(tmp_path):
         assert x["exact"] and x["buckets"] > 1 and x["ratio_to_floor"] > 0, x
         assert not (x["check"]["mismatched"] or x["check"]["missing"]
                     or x["check"]["unexpected"]), x["check"]
+        steps = x["rx_phases_s_median"]  # the receiver's own marks, in the order reached
+        assert list(steps)[:4] == ["plan", "ready", "bucket", "kept"], steps
+        assert {"sealed", "checked", "finished", "committed"} <= set(steps), steps
+        assert all(v >= 0 for v in steps.values()) and steps["kept"] > 0, steps
     assert os.path.exists(r["trainer_log"])
 
 

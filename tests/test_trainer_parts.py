@@ -23,7 +23,7 @@ from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import plan_buckets
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
-from vllm_nccl_sync.wire.protocol import Abort, Error, Go, Hello, Plan, Ready
+from vllm_nccl_sync.wire.protocol import Abort, Error, Go, Hello, Plan, Ready, Source
 
 # ---------------------------------------------------------------- rounds
 
@@ -181,6 +181,55 @@ def test_a_broadcast_that_raises_is_a_lost_peer_and_every_agreed_bucket_is_still
     text, left = lane.lost_problem(0)
     assert "Connection reset by peer" in text and left == []
     assert set(lane.drain()) == {0, 1, 2}
+
+
+class ExportingPlane(FakePlane):
+    """A stand-in for a plane whose receivers map this sender's memory: every storage it is
+    shown is a segment of its own (counted)."""
+
+    shares_buffers = True
+    digest_per_bucket = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: dict[int, int] = {}
+        self.exported = 0
+
+    def shared_buffers(self) -> list[torch.Tensor]:
+        return [torch.empty(1 << 16, dtype=torch.uint8) for _ in range(2)]
+
+    def export(self, t: torch.Tensor) -> Source:
+        self.exported += 1
+        seg = self.segments.setdefault(t.untyped_storage().data_ptr(), len(self.segments))
+        return Source(seg, t.storage_offset() * t.element_size())
+
+
+def _laid_out(lane: BucketLane, sd: dict[str, torch.Tensor]) -> tuple[list, dict[int, int]]:
+    lane.begin()
+    buckets = list(lane.layout(list(sd.items()), 1 << 20))
+    places = [lane.at(b, seq) for seq, b in enumerate(buckets)]
+    return places, dict(lane.sums)
+
+
+def test_a_state_dict_where_the_last_one_lay_reuses_its_layout_and_is_summed_again():
+    """The second push of the same storages exports nothing again and names the same places;
+    its checksums are of the bytes as they are now. A tensor moved to new memory, or a state
+    dict of other names, is laid out afresh."""
+    plane = ExportingPlane()
+    lane = BucketLane(plane, 16 * 1024, check=True, timeout_s=10, digest=lambda d: None)
+    sd = {f"t{i}": torch.randn(1000) for i in range(6)}
+    places, sums = _laid_out(lane, sd)
+    assert len(places) > 1 and all(p is not None for p in places) and plane.exported == 12
+    again = {n: t.view(-1) for n, t in sd.items()}  # what state_dict() hands out: new objects
+    assert _laid_out(lane, again) == (places, sums) and plane.exported == 12
+    sd["t3"].add_(1.0)  # new values, same memory
+    places3, sums3 = _laid_out(lane, sd)
+    assert places3 == places and plane.exported == 12 and sums3 != sums
+    sd["t3"] = sd["t3"].clone()  # new memory: a new segment
+    places4, sums4 = _laid_out(lane, sd)
+    assert plane.exported > 12 and places4 != places and sums4 == sums3
+    fewer = {n: t for n, t in sd.items() if n != "t0"}
+    assert sum(map(len, _laid_out(lane, fewer)[0])) == 5
 
 
 # ---------------------------------------------------------------- the cast rule

@@ -52,11 +52,13 @@ class CommitRound:
                 prepare(u.staged_tensors)
             except Exception:  # noqa: BLE001 - only a head start: the load does it all
                 log.exception("preparing the loader failed")
-            u.beside.mark("prepared")
+            u.mark("prepared")
         self._ack(1, u)
+        u.mark("acked")
         if u.staged:
             u.exposed = True  # the sender may tell others to load from here on
         self._commit(1, u)
+        u.mark("committed")
         if not u.staged:
             return
         if u.beside is not None:  # no collective is pending: the deadman waits past the gate
@@ -74,19 +76,16 @@ class CommitRound:
             with self.plane.loading():
                 loader.begin()
                 u.began = True
-                if u.beside is not None:
-                    u.beside.mark("begun")
+                u.mark("begun")
                 loader.load(u.staged_tensors)
                 u.staged_tensors = []
-                if u.beside is not None:
-                    u.beside.mark("copied")  # the copies queued; next, the post-load rule
+                u.mark("copied")  # the copies queued; next, the post-load rule
                 loader.finish()
-            if u.beside is not None:
-                u.beside.mark("loaded")  # the loaders and the post-load rule returned
+            u.mark("loaded")  # the loaders and the post-load rule returned
             self.plane.settle(self.timeout_s)
             if u.beside is not None:
                 u.beside.shadow.settle()
-                u.beside.mark("settled")  # every copy they queued ran
+            u.mark("settled")  # every copy they queued ran
         except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
             log.exception("loading the staged update failed")
             self._refuse(u, f"rank {self.rank} failed loading the staged update: "
@@ -95,6 +94,7 @@ class CommitRound:
             self._refuse(u, problem)
         self._ack(2, u)
         self._commit(2, u)
+        u.mark("committed2")
 
     def _refuse(self, u: Update, why: str) -> None:
         """Fail the staged update's second phase: the sender hears `why`; raises."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,7 @@ class CopyPlan:
         """Why replay is off for this model ("" while it is on)."""
         self.replayed = 0
         self._params: dict[str, torch.Tensor] = {}
+        self._now: dict[str, tuple[int, int, int, torch.dtype]] = {}
         self._by_storage: dict[int, str] = {}
         self._current: tuple[str, torch.Tensor] | None = None
         self._recording: dict[str, _Entry] = {}
@@ -116,10 +118,12 @@ class CopyPlan:
         """The model's parameters and buffers as they are now (call once per update, after
         anything that may replace them)."""
         self._params = params
+        self._now = {name: (id(p), *_storage(p), p.dtype) for name, p in params.items()}
+        """What `_Entry.params` records of each parameter, as it is now."""
         self._by_storage = {}
         for name, p in params.items():
             if p.numel():
-                self._by_storage.setdefault(_storage(p)[0], name)
+                self._by_storage.setdefault(self._now[name][1], name)
 
     def load(self, batch: list[tuple[str, torch.Tensor]],
              load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[str] | None]
@@ -137,11 +141,8 @@ class CopyPlan:
         e = self.entries.get(name)
         if e is None or e.signature != _signature(t):
             return None
-        for pname, (pid, ptr, nbytes, dtype) in e.params.items():
-            p = self._params.get(pname)
-            if p is None or id(p) != pid or p.dtype != dtype or _storage(p) != (ptr, nbytes):
-                return None
-        return e
+        now = self._now
+        return e if all(now.get(p) == rec for p, rec in e.params.items()) else None
 
     def split(self, batch: list[tuple[str, torch.Tensor]]
               ) -> tuple[list[tuple[_Entry, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
@@ -217,7 +218,9 @@ class CopyPlan:
                  load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]) -> int:
         """Record `load_weights` on the batch's tensors without a valid entry, one tensor at a
         time, skipping every write into a parameter (nothing of the model changes; call after
-        `refresh`); how many tensors were recorded. A tensor whose loader raises (e.g. into a
+        `refresh`); how many tensors were recorded, yielding the GIL between tensors (this runs
+        in a thread beside the engine's serving loop: held for a whole recording, about 1 ms of
+        Python per tensor, the loop's steps waited). A tensor whose loader raises (e.g. into a
         parameter it expects to be re-created first) is left to the real load."""
         _, rest = self.split(batch)
         held = {n: p.data for n, p in self._params.items()}
@@ -226,6 +229,7 @@ class CopyPlan:
             for item in rest:
                 if self.off:
                     break
+                time.sleep(0)  # the engine's loop, serving beside this, takes the GIL in turn
                 entries = dict(self.entries)
                 try:
                     with self.recording([item], dry=True) as weights:

@@ -145,11 +145,9 @@ class Receiver:
         re = Reassembler()
         try:
             plan = self.inbox.opening(timeout_s or self.cfg.timeout_s)
-            if beside is not None:
-                beside.mark("plan")
+            u.mark("plan")
             self._open(plan, u)
-            if beside is not None:
-                beside.mark("ready")
+            u.mark("ready")
             u.t0 = time.perf_counter()
             if plan.adapter is not None:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
@@ -261,11 +259,9 @@ class Receiver:
                 self._start(seq + 1, u)
             with self.plane.loading():
                 self._arrived(seq, u)
-                if u.beside is not None:
-                    u.beside.mark(f"bucket{seq}")
+                u.mark(f"bucket{seq}")
                 self._load(seq, loader, re, u)
-                if u.beside is not None:
-                    u.beside.mark(f"kept{seq}")
+                u.mark(f"kept{seq}")
                 self.plane.loaded(seq)
             self._extend()
             if is_last:
@@ -273,15 +269,17 @@ class Receiver:
             del u.headers[seq]
             u.seq = seq + 1
         self.plane.settle_reads(self.cfg.timeout_s)  # the sender's memory is its own again
+        u.mark("read")
         seal = self._round.seal(u)
-        if u.beside is not None:
-            u.beside.mark("sealed")
+        u.mark("sealed")
         self._verify(seal, u)
+        u.mark("checked")
         if u.failed is None and u.began:
             try:
                 with self.plane.loading():
                     loader.finish()
                 self.plane.settle(self.cfg.timeout_s)
+                u.mark("finished")
                 u.failed = u.coverage_problem(loader) or None
             except Exception as e:  # noqa: BLE001 - vLLM's post-processing: report it
                 u.failed = f"rank {self.rank} failed finishing the load: {clip(repr(e))}"
@@ -388,6 +386,8 @@ class Receiver:
             extra["adapter"] = u.adapter.name
         if self.inbox.dropped:
             extra["dropped"] = self.inbox.said()
+        if (t0 := u.marks.get("plan")) is not None:
+            extra["marks_ms"] = {k: round((t - t0) * 1e3, 3) for k, t in u.marks.items()}
         out = WorkerSummary(ok, self.rank, self.state.version, self.state.consistent,
                             buckets=u.seq + 1 if u.version >= 0 else 0, bytes=u.nbytes,
                             tensors=u.ntensors if ok else 0, error=error, extra=extra, **kw)

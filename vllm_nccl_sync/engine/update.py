@@ -81,6 +81,15 @@ class Update:
     named: dict[str, TensorSpec] = field(default_factory=dict)
     """Every tensor the update's headers named (kept when it must rewrite every weight)."""
     t0: float = 0.0
+    marks: dict[str, float] = field(default_factory=dict)
+    """When each step of the update was reached (`perf_counter`): the plan, each bucket arrived
+    and loaded, the Seal, its check, the commit round; reported with the summary (`marks_ms`)."""
+
+    def mark(self, what: str) -> None:
+        """Note that step `what` was reached now (also in the beside receive's own marks)."""
+        self.marks[what] = time.perf_counter()
+        if self.beside is not None:
+            self.beside.mark(what)
 
     def open(self, plan: Plan, reference: Reference | None) -> str:
         """Check every header `plan` carries (the update's version and staged flag already

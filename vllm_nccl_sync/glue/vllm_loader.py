@@ -31,19 +31,9 @@ from typing import Any
 import torch
 
 from vllm_nccl_sync.engine.copyplan import CopyPlan
+from vllm_nccl_sync.glue.model_slots import ModelSlots, tied_aliases
 
 log = logging.getLogger(__name__)
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """{alias: canonical} for parameters that are the same Parameter as one listed earlier
-    (e.g. {"lm_head.weight": "model.embed_tokens.weight"} when embeddings are tied)."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if (canonical := first.setdefault(id(p), name)) != name:
-            out[name] = canonical
-    return out
 
 
 def _outside(names: set[str], modules: list[str]) -> set[str]:
@@ -130,6 +120,8 @@ class VllmWeightLoader:
         self._plan = CopyPlan()  # load_weights' copies, replayed (engine.copyplan)
         self._replay = False  # this update may replay them (plain loading: no layerwise)
         self._by_rows = 0  # tensors of this update loaded row by row
+        self._layers: tuple[dict, dict] | None = None  # see _refreshed
+        self._slots: ModelSlots | None = None  # see _params
         if why := drafter_problem(self.vllm_config):
             raise ValueError(f"this engine cannot be updated in place: {why}")
         self._postload()  # refuses a model that cannot be updated in place, saying why
@@ -196,11 +188,20 @@ class VllmWeightLoader:
             self._plan.replayed = 0
             self._plan.refresh(self._params())
 
+    def _refreshed(self) -> tuple[dict, dict]:
+        """The layers `finish` refreshes (`vllm_postload.expert_layers`, `derived_layers`):
+        found once, a model's modules do not change after start-up."""
+        if self._layers is None:
+            post = self._postload()
+            self._layers = (post.expert_layers(self.model), post.derived_layers(self.model))
+        return self._layers
+
     def _params(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer under every name (what replayed copies may write)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        params.update(self.model.named_buffers(remove_duplicate=False))
-        return params
+        """Every parameter and buffer under every name, as it is now (what replayed copies may
+        write); their places are found once (`glue.model_slots`)."""
+        if self._slots is None:
+            self._slots = ModelSlots(self.model)
+        return self._slots.now()
 
     def _batch(self, named_tensors: list[tuple[str, torch.Tensor]]
                ) -> list[tuple[str, torch.Tensor]]:
@@ -335,9 +336,10 @@ class VllmWeightLoader:
             (self._lw.abort if partial else self._lw.finish)(self.model, mc)
             counts["layerwise_layers"] = len(self._lw_layers or ())
             counts["retained_peak_bytes"] = self._retained_peak
-        post = self._postload()
-        counts["experts_relaid"] = post.refresh_experts(self.model, _outside(self.loaded, partial))
-        counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded)
+        post, (experts, derived) = self._postload(), self._refreshed()
+        counts["experts_relaid"] = post.refresh_experts(self.model, _outside(self.loaded, partial),
+                                                        experts)
+        counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded, derived)
         counts["loaded_by_rows"] = self._by_rows
         if self._replay:
             counts["replayed"] = self._plan.replayed
@@ -389,7 +391,8 @@ class VllmWeightLoader:
 
     def _refresh_after_abort(self, model_config: Any) -> None:
         try:
-            self._postload().refresh_experts(self.model, self.loaded)
-            self._postload().refresh_derived(self.model, model_config, self.loaded)
+            experts, derived = self._refreshed()
+            self._postload().refresh_experts(self.model, self.loaded, experts)
+            self._postload().refresh_derived(self.model, model_config, self.loaded, derived)
         except Exception:
             log.exception("refreshing derived tensors after a failed update failed")

@@ -132,11 +132,13 @@ def expert_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 @torch.no_grad()
-def refresh_experts(model: torch.nn.Module, loaded: set[str]) -> int:
+def refresh_experts(model: torch.nn.Module, loaded: set[str],
+                    layers: dict[str, torch.nn.Module] | None = None) -> int:
     """Re-run the experts' own layout step, in place, on every such layer a name of `loaded`
-    (vLLM parameter names) belongs to. Returns how many."""
+    (vLLM parameter names) belongs to (`layers`: `expert_layers(model)`, if the caller keeps
+    it). Returns how many."""
     n = 0
-    for name, layer in expert_layers(model).items():
+    for name, layer in (expert_layers(model) if layers is None else layers).items():
         if any(p.startswith(name + ".") for p in loaded):
             fe = relaid_experts(layer)
             _in_place(layer, lambda: fe.process_weights_after_loading(layer))
@@ -163,12 +165,14 @@ def layer_tensors(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def refresh_derived(model: torch.nn.Module, model_config: Any, loaded: set[str]) -> int:
+def refresh_derived(model: torch.nn.Module, model_config: Any, loaded: set[str],
+                    layers: dict[str, tuple[torch.nn.Module, str]] | None = None) -> int:
     """Re-run post-load processing of every derived layer whose source got new values; a tensor it
-    re-creates is copied into the old storage (CUDA graphs keep their pointers). Returns the count.
+    re-creates is copied into the old storage (CUDA graphs keep their pointers). `layers`:
+    `derived_layers(model)`, if the caller keeps it. Returns the count.
     """
     n = 0
-    for _, (layer, src) in derived_layers(model).items():
+    for layer, src in (derived_layers(model) if layers is None else layers).values():
         if not any(name.startswith(src) for name in loaded):
             continue
         _in_place(layer, lambda: layer.process_weights_after_loading(model_config.dtype))

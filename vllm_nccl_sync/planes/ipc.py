@@ -170,6 +170,8 @@ class IpcTransport(SharedTransport):
     def _group(self, store: Any, cfg: Any) -> Any:
         self._exports = Exports()
         self._mapped: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
+        """The ranges handed out, by (segment, offset, length): the same view each update."""
         self._segments_made = 0
         return super()._group(store, cfg)
 
@@ -215,6 +217,9 @@ class IpcTransport(SharedTransport):
         """The `length` bytes at `at`, mapped (each segment once); `ValueError` naming what is
         wrong: a segment the sender never exported, one on another GPU or claiming more than
         its allocation, or a range past its end."""
+        view = self._views.get((at.segment, at.offset, length))
+        if view is not None:
+            return view
         seg = self._mapped.get(at.segment)
         if seg is None:
             key = f"segment/{at.segment}"
@@ -226,12 +231,14 @@ class IpcTransport(SharedTransport):
         if at.offset + length > seg.numel():
             raise ValueError(f"bytes [{at.offset}, {at.offset + length}) of the sender's memory "
                              f"segment {at.segment} lie past its {seg.numel()} bytes")
-        return seg[at.offset : at.offset + length]
+        view = self._views[(at.segment, at.offset, length)] = seg[at.offset : at.offset + length]
+        return view
 
     def keep_mapped(self, segments: set[int]) -> None:
         """Unmap every segment but `segments` (the sender may free the memory of the others)."""
         for k in [k for k in self._mapped if k not in segments]:
             del self._mapped[k]
+        self._views = {k: v for k, v in self._views.items() if k[0] in self._mapped}
 
     def _written(self, i: int) -> None:
         self.wait_stream(torch.cuda.current_stream(self.device), self._timeout_s)

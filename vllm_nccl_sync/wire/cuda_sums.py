@@ -130,16 +130,15 @@ def _run(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None) -> l
         _blocks[(table.shape[0],)](table, partial, COPY=dsts is not None, TILE=_TILE,
                                    STEPS=_ROWS // _TILE, COLS=_COLS)
     sums = torch.zeros(len(srcs), dtype=torch.int64, device=device).index_add_(0, owners, partial)
-    out = []
-    for j, s in enumerate(srcs):
-        terms = [(sums[j], 1)]
-        rest = s[s.numel() // 8 * 8 :]
-        if rest.numel():
+    out = [[(term, 1)] for term in sums.unbind(0)]
+    for j, (_, _, nbytes) in enumerate(pairs):
+        if nbytes % 8:  # the bytes past the last whole word
+            whole = nbytes // 8 * 8
+            rest = srcs[j][whole:]
             if dsts is not None:
-                dsts[j][s.numel() // 8 * 8 :].copy_(rest)
+                dsts[j][whole:].copy_(rest)
             odd = torch.arange(1, 2 * rest.numel(), 2, dtype=torch.int64, device=device)
-            terms.append(((rest.to(torch.int64) * odd).sum(), 1_000_003))
-        out.append(terms)
+            out[j].append(((rest.to(torch.int64) * odd).sum(), 1_000_003))
     return out
 
 
