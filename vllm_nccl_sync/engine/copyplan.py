@@ -69,6 +69,11 @@ def _signature(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int
     return t.dtype, tuple(t.shape), tuple(t.stride())
 
 
+_YIELD_S = 2e-4
+"""How long `rehearse` sleeps between tensors: long enough for a thread waiting on the GIL to
+wake and take it (about 34 ms over a 7B model's 171 tensors, spent beside serving)."""
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every ATen op while the loader runs (see the module)."""
 
@@ -220,7 +225,8 @@ class CopyPlan:
         time, skipping every write into a parameter (nothing of the model changes; call after
         `refresh`); how many tensors were recorded, yielding the GIL between tensors (this runs
         in a thread beside the engine's serving loop: held for a whole recording, about 1 ms of
-        Python per tensor, the loop's steps waited). A tensor whose loader raises (e.g. into a
+        Python per tensor, the loop's steps waited). The yield sleeps `_YIELD_S`: `sleep(0)`
+        drops the lock and takes it back before a waiting thread has woken up. A tensor whose loader raises (e.g. into a
         parameter it expects to be re-created first) is left to the real load."""
         _, rest = self.split(batch)
         held = {n: p.data for n, p in self._params.items()}
@@ -229,7 +235,7 @@ class CopyPlan:
             for item in rest:
                 if self.off:
                     break
-                time.sleep(0)  # the engine's loop, serving beside this, takes the GIL in turn
+                time.sleep(_YIELD_S)  # the engine's loop, serving beside this, takes the GIL
                 entries = dict(self.entries)
                 try:
                     with self.recording([item], dry=True) as weights:
