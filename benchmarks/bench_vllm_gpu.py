@@ -547,7 +547,8 @@ class Driver:
             if not s.get("ok"):
                 raise RuntimeError(f"receive failed: {s}")
             return {"rx_s": s["seconds"], "buckets": s["buckets"],
-                    **({"rx_phases": rx_phases(s["marks_ms"])} if "marks_ms" in s else {})}
+                    **({"rx_phases": {k: v / 1e3 for k, v in s["steps_ms"].items()}}
+                       if "steps_ms" in s else {})}
         if method == "raw":
             llm.collective_rpc("bench_raw", args=(self.info["nbytes"],))
             return {}
@@ -592,18 +593,6 @@ class Driver:
         return {"exact": not bad and set(got) == set(want), "mismatched": bad[:10],
                 "missing": sorted(set(want) - set(got))[:10],
                 "unexpected": sorted(set(got) - set(want))[:10]}
-
-
-def rx_phases(marks_ms: dict[str, float]) -> dict[str, float]:
-    """A receiver's marks (`marks_ms`, ms from its plan) as seconds spent reaching each kind of
-    step, per-bucket steps summed (`kept3` -> `kept`: loading bucket 3)."""
-    out: dict[str, float] = {}
-    prev = 0.0
-    for name, t in marks_ms.items():
-        kind = name.rstrip("0123456789")
-        out[kind] = out.get(kind, 0.0) + (t - prev) / 1e3
-        prev = t
-    return out
 
 
 def stats(runs: list[dict]) -> dict:

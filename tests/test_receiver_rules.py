@@ -391,3 +391,14 @@ def test_a_run_of_buckets_read_in_place_goes_to_the_loader_in_one_call():
     assert [n for n, _ in got[1]] == ["t0", "t1"]  # ends before a packed bucket
     assert [n for n, _ in got[2]] == ["t2"] and [n for n, _ in got[3]] == ["t3"]
     assert u.batch == []
+
+
+def test_a_summary_says_where_the_receiver_spent_the_update(pair):
+    """`steps_ms`: every step of a real update over gloo, in the order reached, buckets summed
+    into one entry per kind however many there were."""
+    summary = pair.good_update(1, seed=1)
+    steps = summary["steps_ms"]
+    assert list(steps) == ["plan", "ready", "bucket", "kept", "read", "sealed", "checked",
+                           "finished", "acked", "committed"], steps
+    assert steps["plan"] == 0 and all(v >= 0 for v in steps.values()), steps
+    assert summary["buckets"] >= 1 and summary["seconds"] > 0

@@ -141,9 +141,9 @@ class WorkerSummary:
     load: dict[str, Any] = field(default_factory=dict)
     """What loading took (layers re-processed, ...), when the loader reports it."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Per update: `marks_ms`, when each step was reached, in ms from the plan (`ready`,
-    `bucketN` arrived, `keptN` loaded, `read`, `sealed`, `checked`, `finished`, `acked`,
-    `committed`, ...); `adapter`, `dropped` where they apply."""
+    """Per update: `steps_ms`, the ms spent reaching each step from the one before (`plan`,
+    `ready`, `bucket` arrived and `kept` loaded summed over buckets, `read`, `sealed`,
+    `checked`, `finished`, `acked`, `committed`, ...); `adapter`, `dropped` where they apply."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

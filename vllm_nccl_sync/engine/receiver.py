@@ -386,8 +386,8 @@ class Receiver:
             extra["adapter"] = u.adapter.name
         if self.inbox.dropped:
             extra["dropped"] = self.inbox.said()
-        if (t0 := u.marks.get("plan")) is not None:
-            extra["marks_ms"] = {k: round((t - t0) * 1e3, 3) for k, t in u.marks.items()}
+        if u.marks:
+            extra["steps_ms"] = u.steps_ms()
         out = WorkerSummary(ok, self.rank, self.state.version, self.state.consistent,
                             buckets=u.seq + 1 if u.version >= 0 else 0, bytes=u.nbytes,
                             tensors=u.ntensors if ok else 0, error=error, extra=extra, **kw)

@@ -83,13 +83,25 @@ class Update:
     t0: float = 0.0
     marks: dict[str, float] = field(default_factory=dict)
     """When each step of the update was reached (`perf_counter`): the plan, each bucket arrived
-    and loaded, the Seal, its check, the commit round; reported with the summary (`marks_ms`)."""
+    and loaded, the Seal, its check, the commit round (summed up by `steps_ms`)."""
 
     def mark(self, what: str) -> None:
         """Note that step `what` was reached now (also in the beside receive's own marks)."""
         self.marks[what] = time.perf_counter()
         if self.beside is not None:
             self.beside.mark(what)
+
+    def steps_ms(self) -> dict[str, float]:
+        """Per kind of step, in the order first reached, the ms spent reaching it from the step
+        before, per-bucket steps summed (`kept3` -> `kept`: loading bucket 3): as many entries
+        whatever the number of buckets."""
+        out: dict[str, float] = {}
+        prev = next(iter(self.marks.values()), 0.0)
+        for name, t in self.marks.items():
+            kind = name.rstrip("0123456789")
+            out[kind] = out.get(kind, 0.0) + (t - prev) * 1e3
+            prev = t
+        return {k: round(v, 3) for k, v in out.items()}
 
     def open(self, plan: Plan, reference: Reference | None) -> str:
         """Check every header `plan` carries (the update's version and staged flag already
