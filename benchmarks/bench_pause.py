@@ -350,7 +350,8 @@ def run(args: Any) -> dict:
                 handle.call("bench_zero", timeout=args.timeout_s)  # each update rewrites all
                 stream.wait_tokens(args.settle_tokens, args.timeout_s, "generation before update")
                 b0 = time.perf_counter()  # undisturbed decoding just before, for the rate during
-                time.sleep(args.baseline_s)  # the receive (same clients, same request mix)
+                time.sleep(args.baseline_s)  # the receive (same clients, same request mix), and
+                stream.wait_tokens(2, args.timeout_s, "undisturbed decoding")  # a gap of each
                 baseline = (b0, time.perf_counter())
                 version += 1
                 u0 = time.perf_counter()
@@ -442,9 +443,9 @@ def main() -> None:
                     help="host trainer: push from a process of its own (trainer_proc.py), not "
                          "from this one, which is the engine's front end")
     ap.add_argument("--baseline-s", type=float, default=0.0,
-                    help="undisturbed decoding measured this long before each update (beside: "
-                         "the decode rate during the receive is compared with it; default 4, "
-                         "smoke 0.5)")
+                    help="undisturbed decoding measured at least this long before each update, "
+                         "and until every client streamed two more tokens (beside: the decode "
+                         "rate during the receive is compared with it; default 4, smoke 0.5)")
     ap.add_argument("--trainer-threads", type=int, default=0,
                     help="torch threads of the trainer (0: torch's default)")
     ap.add_argument("--clients", type=int, help="streaming requests kept in flight (16)")

@@ -33,7 +33,11 @@ def gap_sources(a: float, g: float, times: list[float], baseline: tuple[float, f
     bg, b = max(((y - x, x) for x, y in zip(base, base[1:])), default=(None, None))
     core = sorted(probes["core"])
     made = [c for c, _ in core]
-    near = [c for c in made if a - 0.1 < c < a + g + 0.1]
+    # its steps within 0.1 s of the gap, and the last one before it and the first after it
+    # (on a slow host a step may take longer than that)
+    i, j = bisect.bisect_right(made, a) - 1, bisect.bisect_left(made, a + g)
+    near = sorted({c for c in made if a - 0.1 < c < a + g + 0.1}
+                  | {made[k] for k in (i, j) if 0 <= k < len(made)})
     firsts = probes.get("firsts", [])
 
     def begun(end: float) -> int:  # requests whose first token came with the gap's end

@@ -254,3 +254,19 @@ def test_swap_replay_smoke():
     for row in ("replay", "loader", "copies", "foreach", "floor", "replay_summed", "sums",
                 "sums_torch"):
         assert re.search(rf"^  {row} +host +[\d.]+", out, re.M), out
+
+
+def test_pause_analysis_places_a_gap_between_slow_steps():
+    """On a slow host the engine core may step less often than every 0.1 s: the interval
+    around the longest gap is still the one between the steps that bracket it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from pause_analysis import gap_sources
+    finally:
+        sys.path.pop(0)
+    steps = [0.0, 0.4, 1.2, 1.5]  # the core's steps; their tokens reach clients 0.2 s later
+    times = [s + 0.2 for s in steps]
+    got = gap_sources(0.6, 0.8, times, (0.0, 0.7), {"core": [(s, s + 0.2) for s in steps],
+                                                    "gcs": []})
+    assert got["core_max_interval_near_gap_s"] == pytest.approx(0.8)  # 0.4 -> 1.2
+    assert got["core_steps_in_gap"] == 1 and got["baseline_max_gap_s"] == pytest.approx(0.4)
