@@ -226,8 +226,9 @@ class CopyPlan:
         `refresh`); how many tensors were recorded, yielding the GIL between tensors (this runs
         in a thread beside the engine's serving loop: held for a whole recording, about 1 ms of
         Python per tensor, the loop's steps waited). The yield sleeps `_YIELD_S`: `sleep(0)`
-        drops the lock and takes it back before a waiting thread has woken up. A tensor whose loader raises (e.g. into a
-        parameter it expects to be re-created first) is left to the real load."""
+        drops the lock and takes it back before a waiting thread has woken up. A tensor whose
+        loader raises (e.g. into a parameter it expects to be re-created first) is left to the
+        real load."""
         _, rest = self.split(batch)
         held = {n: p.data for n, p in self._params.items()}
         done = 0

@@ -18,7 +18,6 @@ update. Several senders: one data-plane group each; bucket k comes from its head
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -148,7 +147,6 @@ class Receiver:
             u.mark("plan")
             self._open(plan, u)
             u.mark("ready")
-            u.t0 = time.perf_counter()
             if plan.adapter is not None:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)

@@ -80,10 +80,14 @@ class Update:
     commit (its `discarded` says why; None: it need not)."""
     named: dict[str, TensorSpec] = field(default_factory=dict)
     """Every tensor the update's headers named (kept when it must rewrite every weight)."""
-    t0: float = 0.0
     marks: dict[str, float] = field(default_factory=dict)
     """When each step of the update was reached (`perf_counter`): the plan, each bucket arrived
     and loaded, the Seal, its check, the commit round (summed up by `steps_ms`)."""
+
+    @property
+    def t0(self) -> float:
+        """When the plan was answered: the update's clock starts there."""
+        return self.marks["ready"]
 
     def mark(self, what: str) -> None:
         """Note that step `what` was reached now (also in the beside receive's own marks)."""
