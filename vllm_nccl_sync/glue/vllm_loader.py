@@ -32,6 +32,7 @@ import torch
 
 from vllm_nccl_sync.engine.copyplan import CopyPlan
 from vllm_nccl_sync.glue.model_slots import ModelSlots, tied_aliases
+from vllm_nccl_sync.wire.cuda_sums import copy_tapped
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class VllmWeightLoader:
             self._retained_peak = 0
         self._replay = not lw and not self._fp8_blocks
         if self._replay:
-            self._plan.replayed = 0
+            self._plan.replayed = self._plan.graphs.launched = 0
             self._plan.refresh(self._params())
 
     def _refreshed(self) -> tuple[dict, dict]:
@@ -289,9 +290,10 @@ class VllmWeightLoader:
             return False
         pname, param, first, end = target
         lo, hi = max(first_row, first), min(first_row + rows.shape[0], end)
-        if lo < hi:  # this worker's rows in this chunk
-            param[lo - first : hi - first].copy_(rows[lo - first_row : hi - first_row],
-                                                 non_blocking=True)
+        if lo < hi:  # this worker's rows in this chunk (summed on the way if a tap wants them)
+            dst, src = param[lo - first : hi - first], rows[lo - first_row : hi - first_row]
+            if not copy_tapped(dst, src):
+                dst.copy_(src, non_blocking=True)
         if first_row + rows.shape[0] == shape[0]:
             self.loaded.add(pname)
             self._by_rows += 1
@@ -342,7 +344,7 @@ class VllmWeightLoader:
         counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded, derived)
         counts["loaded_by_rows"] = self._by_rows
         if self._replay:
-            counts["replayed"] = self._plan.replayed
+            counts.update(replayed=self._plan.replayed, graph_launches=self._plan.graphs.launched)
         self.stats = counts
         if partial:
             raise ValueError(f"{len(partial)} layer(s) got only part of their weights and keep "

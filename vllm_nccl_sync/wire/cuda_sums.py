@@ -103,6 +103,12 @@ def _table(pairs: list[tuple[int, int, int]], key: tuple, device: torch.device
     return got
 
 
+def tables() -> list[torch.Tensor]:
+    """Every programs' table now cached (a captured launch reads its table by address: whoever
+    keeps such a launch keeps these)."""
+    return [t for pair in _tables.values() for t in pair]
+
+
 def _usable(t: torch.Tensor) -> bool:
     return (triton is not None and not _failed and t.is_cuda and t.data_ptr() % 16 == 0
             and t.numel() >= 8)
@@ -159,6 +165,19 @@ def copy_summed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Term
     in one launch that also returns each source's `integrity` terms: its bytes are read once.
     None if the kernel failed before any copy (then the caller copies)."""
     return _guarded([s for _, s in pairs], [d for d, _ in pairs])
+
+
+def copy_tapped(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """`dst.copy_(src)` through `copy_summed` where the receiver's tap (`tapping`) wants `src`
+    whole, handing it `src`'s terms (True); False, with nothing done, where it does not."""
+    tap = tapping.get()
+    if tap is None or not tap.wants(src) or not fusable(dst, src):
+        return False
+    got = copy_summed([(dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8))])
+    if got is None:
+        return False
+    tap.put(src, got[0])
+    return True
 
 
 def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
