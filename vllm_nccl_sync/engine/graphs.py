@@ -2,8 +2,8 @@
 recorded entries, same source addresses, same checksum taps) is queued as one CUDA graph launch.
 
 A replayed `load_weights` is plain copies (`copyplan`), but each still costs Python: a view, a
-`copy_` call and its checks per write, about 10-15 us per tensor of a 7B model's 171 on the host
-while the device copies. A trainer pushing its own parameters step after step, or a shadow swap,
+`copy_` call and its checks per write (on one H200, queueing a 7B model's 171 tensors took the
+engine 7.4-7.9 ms of host time this way, 3.0-6.0 ms as graph launches). A trainer pushing its own parameters step after step, or a shadow swap,
 repeats exactly the same copies every update: the second time a batch is seen its copies are
 captured into a CUDA graph (which runs nothing) and the graph is launched; every later time the
 launch alone. What the capture returned (the checksum terms a copy computed: tensors the graph
