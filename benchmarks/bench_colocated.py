@@ -492,6 +492,8 @@ def summary(rows: list[dict], mode: str) -> str:
         if rx_phases := by[ours].get("rx_phases_s_median"):
             line += (" (from its plan, ms spent reaching each step: "
                      + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rx_phases.items()) + ")")
+        if (graphs := by[ours].get("graph_launches")) is not None:
+            line += f"; batches launched as CUDA graphs, per push: {graphs}"
         line += "."
     return line
 

@@ -2,8 +2,7 @@
 recorded entries, same source addresses, same checksum taps) is queued as one CUDA graph launch.
 
 A replayed `load_weights` is plain copies (`copyplan`), but each still costs Python: a view, a
-`copy_` call and its checks per write (on one H200, queueing a 7B model's 171 tensors took the
-engine 7.4-7.9 ms of host time this way, 3.0-6.0 ms as graph launches). A trainer pushing its own parameters step after step, or a shadow swap,
+`copy_` call and its checks per write, for every tensor of every update. A trainer pushing its own parameters step after step, or a shadow swap,
 repeats exactly the same copies every update: the second time a batch is seen its copies are
 captured into a CUDA graph (which runs nothing) and the graph is launched; every later time the
 launch alone. What the capture returned (the checksum terms a copy computed: tensors the graph
@@ -27,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 _LIMIT = 64
-"""Graphs kept (one per distinct batch: a 7B model's update in 1 GiB buckets has 9)."""
+"""Graphs kept (one per distinct batch: an update read in place is one batch)."""
 
 
 class CapturedReplays:
