@@ -2,11 +2,11 @@
 recorded entries, same source addresses, same checksum taps) is queued as one CUDA graph launch.
 
 A replayed `load_weights` is plain copies (`copyplan`), but each still costs Python: a view, a
-`copy_` call and its checks per write, for every tensor of every update. A trainer pushing its own parameters step after step, or a shadow swap,
-repeats exactly the same copies every update: the second time a batch is seen its copies are
-captured into a CUDA graph (which runs nothing) and the graph is launched; every later time the
-launch alone. What the capture returned (the checksum terms a copy computed: tensors the graph
-writes each launch) is handed back as it was.
+`copy_` call and its checks per write, for every tensor of every update. A trainer pushing its
+own parameters step after step, or a shadow swap, repeats exactly the same copies every update:
+the second time a batch is seen its copies are captured into a CUDA graph (which runs nothing)
+and the graph is launched; every later time the launch alone. What the capture returned (the
+checksum terms a copy computed: tensors the graph writes each launch) is handed back as it was.
 
 A graph bakes in addresses: a batch's key holds everything its copies' addresses come from
 (each entry, kept alive by the cache, and each source's address; the entries' parameters are
@@ -57,11 +57,12 @@ class CapturedReplays:
             got[0].replay()
             self.launched += 1
             return got[1]
-        if self.off or key not in self._seen:
-            if not self.off:
-                if len(self._seen) >= 4 * _LIMIT:
-                    self._seen.clear()
-                self._seen.add(key)
+        if self.off:
+            return queue()
+        if key not in self._seen:
+            if len(self._seen) >= 4 * _LIMIT:
+                self._seen.clear()
+            self._seen.add(key)
             return queue()
         captured = self._capture(device, queue)
         if captured is None:
