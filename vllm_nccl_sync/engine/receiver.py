@@ -305,7 +305,8 @@ class Receiver:
         u.sums.append(got)
         if not self.plane.digest_per_bucket:
             return
-        self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}")
+        sender = f" from sender {header.src}" if u.senders > 1 else ""  # the one to blame
+        self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}{sender}")
         theirs = u.digests.pop(seq)
         if self.plane.overran(seq, header.length, canary):
             self.inbox.fail(u, f"rank {self.rank}: bucket {seq} broadcast more bytes than its "
