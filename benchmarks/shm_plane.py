@@ -6,8 +6,10 @@ receiver process, which copies it into tensors of its own (`ModuleLoader`), in o
   push_gloo  `PushClient(backend="gloo")` -> `Receiver` (checksums, commit round: everything)
   push_shm   the same over `backend="shm"`
 
-Pushes alternate by repetition (drift hits both); median after a warm-up; every received
-tensor checked bit for bit after the last push of each plane.
+Pushes alternate by repetition (drift hits both); median after a warm-up. Before each repetition,
+untimed, the trainer changes every byte of its tensors; the receiver keeps one set of tensors per
+plane and checks them bit for bit only after the last push (nothing it does between pushes may
+delay the next one: a timed push starts with the receivers' answer to its plan).
 
     python benchmarks/shm_plane.py --size-mib 256 --bucket-mib 64 --reps 5
 """
@@ -66,6 +68,8 @@ def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
         clients[name].connect()
         out[f"push_{name}"] = []
     for rep in range(reps + 1):
+        for t in tensors.values():  # every byte changes: the last push must write them all
+            t.view(torch.uint8).add_(1)
         for name, client in clients.items():
             t0 = time.perf_counter()
             client.push(tensors, version=rep + 1)
@@ -85,9 +89,9 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
     from vllm_nccl_sync.verify import digest
 
     torch.set_num_threads(1)
-    tensors = {n: torch.zeros_like(t) for n, t in
-               synthetic_tensors(size, seed=1, device=torch.device("cpu")).items()}
-    payload = sum(t.nbytes for t in tensors.values())
+    model = synthetic_tensors(size, seed=1, device=torch.device("cpu"))
+    payload = sum(t.nbytes for t in model.values())
+    tensors = {name: {n: torch.zeros_like(t) for n, t in model.items()} for name in cfgs}
     buf = torch.empty(payload + 8, dtype=torch.uint8)
     raw = Transport(SyncConfig(**raw_cfg), 1)
     for _ in range(reps + 1):
@@ -101,18 +105,15 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
         j.start()
     for j in joins:
         j.join(300)
-    got = {}
     for _ in range(reps + 1):
         for name in cfgs:
-            s = rxs[name].receive(ModuleLoader(_Params(tensors)), timeout_s=300)
+            s = rxs[name].receive(ModuleLoader(_Params(tensors[name])), timeout_s=300)
             if not s["ok"]:
                 raise RuntimeError(f"{name}: {s['error']}")
-            got[name] = {n: digest(t) for n, t in tensors.items()}
-            for t in tensors.values():
-                t.zero_()
     for rx in rxs.values():
         rx.close()
-    return {"digests": got}
+    return {"digests": {name: {n: digest(t) for n, t in ts.items()}
+                        for name, ts in tensors.items()}}
 
 
 def main() -> None:
