@@ -16,8 +16,9 @@ the senders the verdict (`Commit` or `Abort`), so every trainer rank ends the up
 
 Failures: a sender that says nothing in time (no `Offer`, no `Ready`, no `Sent`) fails the
 update on the coordinator with a `PushError` naming its rank, and every rank gets `Abort`; a
-receiver whose collective from a dead sender times out reports the sender by rank. Once a sender
-is lost, the groups are given up: every rank must join again (a new `PushClient`/`Receiver`).
+receiver whose collective from a dead sender fails, or whose `Digest` from it never comes, names
+that sender by rank, whichever it sees first. Once a sender is lost, the groups are given up:
+every rank must join again (a new `PushClient`/`Receiver`).
 """
 
 from __future__ import annotations
