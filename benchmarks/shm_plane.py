@@ -5,6 +5,8 @@ receiver process, which copies it into tensors of its own (`ModuleLoader`), in o
   raw_gloo   one gloo broadcast of that buffer between the two processes
   push_gloo  `PushClient(backend="gloo")` -> `Receiver` (checksums, commit round: everything)
   push_shm   the same over `backend="shm"`
+  push_shm_in_place  the same, the trainer's tensors in shared memory (`share_memory_()`): read
+             where they lie, one copy per byte (the receiver's load)
 
 Pushes alternate by repetition (drift hits both); median after a warm-up. Before each repetition,
 untimed, the trainer changes every byte of its tensors; the receiver keeps one set of tensors per
@@ -63,16 +65,18 @@ def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
         out["raw_gloo"].append(time.perf_counter() - t0)
     raw.close()
     clients = {}
+    shared = {n: t.clone().share_memory_() for n, t in tensors.items()}
+    sent = {name: shared if name.endswith("in_place") else tensors for name in cfgs}
     for name, cfg in cfgs.items():
         clients[name] = PushClient(SyncConfig(**cfg))
         clients[name].connect()
         out[f"push_{name}"] = []
     for rep in range(reps + 1):
-        for t in tensors.values():  # every byte changes: the last push must write them all
-            t.view(torch.uint8).add_(1)
+        for t in (*tensors.values(), *shared.values()):  # every byte changes: the last push
+            t.view(torch.uint8).add_(1)  # must write them all
         for name, client in clients.items():
             t0 = time.perf_counter()
-            client.push(tensors, version=rep + 1)
+            client.push(sent[name], version=rep + 1)
             out[f"push_{name}"].append(time.perf_counter() - t0)
     for client in clients.values():
         client.close()
@@ -124,7 +128,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     size, bucket = int(args.size_mib * MiB), int(args.bucket_mib * MiB) // 256 * 256
-    cfgs = {name: _cfg(name, bucket) for name in ("gloo", "shm")}
+    cfgs = {name: _cfg(name.split("_")[0], bucket) for name in ("gloo", "shm", "shm_in_place")}
     raw_cfg = _cfg("gloo", bucket)
     tr, rx = run_procs([(trainer, (cfgs, raw_cfg, size, args.reps)),
                         (receiver, (cfgs, raw_cfg, size, args.reps))], 1800)
@@ -136,7 +140,7 @@ def main() -> None:
               "of_memcpy": {k: med["memcpy"] / v for k, v in med.items()},
               "bit_exact": {n: d == tr["digests"] for n, d in rx["digests"].items()}}
     for k in med:
-        print(f"{k:10s} {med[k] * 1e3:9.1f} ms  {report['gbps'][k]:6.2f} GB/s  "
+        print(f"{k:17s} {med[k] * 1e3:9.1f} ms  {report['gbps'][k]:6.2f} GB/s  "
               f"{report['of_raw_gloo'][k]:5.2f} of raw gloo  {report['of_memcpy'][k]:5.3f} of memcpy")
     print("bit-exact:", report["bit_exact"])
     if args.json:

@@ -249,14 +249,16 @@ def test_gloo_floor_smoke(tmp_path):
 
 @pytest.mark.multiproc
 def test_shm_plane_smoke(tmp_path):
-    """The shm-against-gloo script: every method timed, each plane's tensors after its last
-    push equal to the trainer's (which changed every byte before each push)."""
+    """The shm-against-gloo script: every method timed (shm packed and read in place), each
+    plane's tensors after its last push equal to the trainer's (which changed every byte before
+    each push)."""
     path = tmp_path / "shm.json"
     out = run_script(["benchmarks/shm_plane.py", "--size-mib", "4", "--bucket-mib", "1",
                       "--reps", "2", "--json", str(path)], deadline_s=300)
     r = json.loads(path.read_text())
-    assert r["bit_exact"] == {"gloo": True, "shm": True}, out[-3000:]
-    assert set(r["times_s"]) == {"memcpy", "raw_gloo", "push_gloo", "push_shm"}
+    assert r["bit_exact"] == {"gloo": True, "shm": True, "shm_in_place": True}, out[-3000:]
+    assert set(r["times_s"]) == {"memcpy", "raw_gloo", "push_gloo", "push_shm",
+                                 "push_shm_in_place"}
     assert all(len(v) == 2 and min(v) > 0 for v in r["times_s"].values())
 
 

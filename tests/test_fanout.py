@@ -90,15 +90,21 @@ def test_tensor_parallel_2_engine(tmp_path, monkeypatch):
         shapes = llm.collective_rpc(_qkv_rows)
         assert shapes[0] == shapes[1] and shapes[0] * 2 == _qkv_rows_full(model)
         # Colocated on this host: both workers map the trainer's shared memory and take their
-        # shards from it (the CPU twin of a TP engine reading the trainer's GPU memory).
+        # shards from it (the CPU twin of a TP engine reading the trainer's GPU memory): first
+        # from the plane's bucket segment, then with the model itself in shared memory, read
+        # where it lies (the plan names its places; either worker would refuse what it cannot map).
         sync.close()
         sync = WeightSync([LLMHandle(llm)], backend="shm", timeout_s=60)
         sync.connect()
-        model = build_model("qwen2", seed=7)
-        result = sync.update(model.state_dict(), version=7)
-        assert sorted(a.rank for a in result.acks) == [1, 2]
-        assert _generate(llm) == hf_greedy(model, PROMPTS, MAX_TOKENS)
-        assert llm.collective_rpc("nccl_sync_param_ptrs") == ptrs
+        for seed, share in ((7, False), (8, True)):
+            model = build_model("qwen2", seed=seed)
+            if share:
+                model.share_memory()
+            result = sync.update(model.state_dict(), version=seed)
+            assert sorted(a.rank for a in result.acks) == [1, 2]
+            assert bool(sync.client.lane.held) == share  # the tensors read in place, held
+            assert _generate(llm) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+            assert llm.collective_rpc("nccl_sync_param_ptrs") == ptrs
     finally:
         sync.close()
         llm.llm_engine.engine_core.shutdown()

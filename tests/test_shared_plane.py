@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import threading
 
 import msgspec
@@ -231,33 +232,119 @@ def test_a_receiver_killed_mid_update_is_reported_by_the_trainer_long_before_the
     assert not sent[0]["ok"] and "rank 1" in sent[0]["error"], sent
 
 
-def _forging_sender(cfg: dict) -> list[dict]:
-    """Update 1: every large tensor's header claims its bytes lie in memory the receiver maps
-    (`at`), which the shm plane never offers; update 2: an honest push."""
-    from vllm_nccl_sync.planes.shm import ShmTransport
-    from vllm_nccl_sync.wire.protocol import Source
+def _shared(seed: int) -> dict[str, torch.Tensor]:
+    """`model_tensors(seed)` with every storage moved into shared memory (as
+    `model.share_memory()` does)."""
+    return {n: t.share_memory_() for n, t in model_tensors(seed).items()}
 
+
+def _expected(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, str, list[int]]]:
+    return {n: (digest(t), str(t.dtype), list(t.shape)) for n, t in tensors.items()}
+
+
+PLAIN = "plain.weight"
+"""A tensor not in shared memory, pushed beside shared ones: packed, as on any plane."""
+
+
+def _plain(seed: int) -> torch.Tensor:
+    return torch.randn(40, 40, generator=torch.Generator().manual_seed(seed))
+
+
+def _sharing_sender(cfg: dict, seeds: list[int]) -> list[dict]:
+    """Pushes one state dict whose tensors lie in shared memory, rewritten in place before each
+    push (the same storages: the layout is kept), plus one tensor that does not."""
     client = PushClient(SyncConfig(**cfg))
     client.connect()
+    tensors, plain = _shared(seeds[0]), _plain(seeds[0])
     out = []
-    for v in (1, 2):
-        ShmTransport.export = (lambda self, t: Source(0, 0)) if v == 1 else Transport.export
-        try:
-            client.push(model_tensors(seed=v), version=v)
-            out.append({"ok": True})
-        except Exception as e:  # noqa: BLE001
-            out.append({"ok": False, "error": str(e)})
+    for seed in seeds:
+        for n, t in model_tensors(seed).items():
+            tensors[n].copy_(t)
+        plain.copy_(_plain(seed))
+        r = client.push({**tensors, PLAIN: plain}, version=seed)
+        out.append({"buckets": r.buckets, "shared": all(t.is_shared() for t in tensors.values()),
+                    "plain_shared": plain.is_shared()})
     client.close()
     return out
 
 
-def test_headers_naming_sender_memory_are_refused_on_a_plane_that_maps_none():
+def test_tensors_in_shared_memory_are_read_in_place_bit_exact():
+    """A state dict in shared memory is read where it lies (the receiver's summary counts the
+    buckets), the rest packed; every update bit-exact; nothing of the trainer's is moved."""
     cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
                bucket_bytes=16 * 1024, timeout_s=30.0)
-    sent, got = run_procs([(_forging_sender, (cfg,)), (_receiver, (cfg, 2, -1))], 120)
-    assert not sent[0]["ok"] and "maps no sender memory" in sent[0]["error"], sent
-    assert not got[0]["summary"]["ok"] and not got[0]["loaded"]
-    assert "maps no sender memory" in got[0]["summary"]["error"]
-    assert sent[1] == {"ok": True} and got[1]["summary"]["ok"]
-    assert got[1]["digests"] == {n: (digest(t), str(t.dtype), list(t.shape))
-                                 for n, t in model_tensors(2).items()}
+    sent, got = run_procs([(_sharing_sender, (cfg, [1, 2, 3])), (_receiver, (cfg, 3, -1))], 120)
+    for seed, s, g in zip([1, 2, 3], sent, got, strict=True):
+        assert g["summary"]["ok"], g["summary"]
+        assert g["digests"] == _expected({**model_tensors(seed), PLAIN: _plain(seed)})
+        # embed (38 KB) spans three in-place buckets, the other shared tensors one more; the
+        # plain tensor is packed into a bucket of its own
+        assert g["summary"]["read_in_place"] == 4 == s["buckets"] - 1, (g["summary"], s)
+        assert s["shared"] and not s["plain_shared"]
+
+
+def _forging_sender(cfg: dict, case: str) -> list[dict]:
+    """Update 1 reads shared tensors in place with its handles or ranges forged as `case` says;
+    update 2: an honest push of the same kind."""
+    import torch.multiprocessing as torch_mp
+
+    from vllm_nccl_sync.planes.shm import ShmStorage, ShmTransport
+    from vllm_nccl_sync.wire.protocol import Source
+
+    real_export, real_share = ShmTransport.export, ShmTransport._share
+    regular = open(__file__, "rb")  # noqa: SIM115 - held open for the handle below
+
+    def share(self, storage):
+        fd, nbytes = storage._share_fd_cpu_()
+        pid, size = os.getpid(), nbytes
+        if case == "another-process":
+            pid = os.getppid()
+        elif case == "not-shared-memory":
+            fd = regular.fileno()
+        elif case == "wrong-size":
+            size = nbytes + 8
+        return msgspec.msgpack.encode(ShmStorage(pid, fd, size))
+
+    def export(self, t):
+        if case == "never-exported":
+            return Source(7, 0)
+        at = real_export(self, t)
+        return at if at is None or case != "past-the-end" else Source(at.segment, at.offset + 8)
+
+    assert torch_mp.get_sharing_strategy() == "file_descriptor"
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    out = []
+    for v in (1, 2):
+        ShmTransport.export = export if v == 1 else real_export
+        ShmTransport._share = share if v == 1 else real_share
+        try:
+            client.push(_shared(v), version=v)
+            out.append({"ok": True})
+        except Exception as e:  # noqa: BLE001
+            out.append({"ok": False, "error": str(e)})
+    client.close()
+    regular.close()
+    return out
+
+
+@pytest.mark.parametrize("case, match", [
+    ("never-exported", r"memory segment 7 was never exported by the sender"),
+    ("past-the-end", r"bytes \[\d+, \d+\) of the sender's memory segment 0 lie past its \d+ bytes"),
+    ("another-process", r"names process \d+, not the sender \(\d+\): refused"),
+    ("not-shared-memory", r"is not shared memory \('.*test_shared_plane.py'\): refused"),
+    ("wrong-size", r"holds \d+ bytes, announced \d+: refused"),
+])
+def test_forged_memory_to_read_in_place_is_refused_before_anything_is_read(case, match):
+    """Each forged handle or range is refused at the plan by the receiver, naming it: nothing
+    loaded, the sender told why; the next honest update is read in place, bit-exact."""
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
+               bucket_bytes=16 * 1024, timeout_s=30.0)
+    sent, got = run_procs([(_forging_sender, (cfg, case)), (_receiver, (cfg, 2, -1))], 120)
+    assert not sent[0]["ok"] and re.search(match, sent[0]["error"]), sent
+    assert "refused at the plan" in sent[0]["error"], sent
+    assert not got[0]["summary"]["ok"] and not got[0]["loaded"], got[0]
+    assert re.search(match, got[0]["summary"]["error"]), got[0]["summary"]
+    assert sent[1] == {"ok": True} and got[1]["summary"]["ok"], (sent, got[1])
+    assert got[1]["summary"]["read_in_place"] > 0
+    assert got[1]["digests"] == _expected(model_tensors(2))

@@ -205,9 +205,14 @@ class ExportingPlane(FakePlane):
 
 
 def _laid_out(lane: BucketLane, sd: dict[str, torch.Tensor]) -> tuple[list, dict[int, int]]:
+    """Lay `sd` out and post its buckets (read in place: on the host their checksums are
+    computed as they are posted); where each bucket's slots lie, and the checksums."""
     lane.begin()
     buckets = list(lane.layout(list(sd.items()), 1 << 20))
-    places = [lane.at(b, seq) for seq, b in enumerate(buckets)]
+    places = []
+    for seq, b in enumerate(buckets):
+        places.append(lane.at(b, seq))
+        lane.post(b.header(1, seq, seq == len(buckets) - 1, P, at=places[-1]), lambda: None)
     return places, dict(lane.sums)
 
 

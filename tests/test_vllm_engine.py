@@ -19,8 +19,9 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
 
 
-def trainer(cfg: dict, arch: str, seeds: list[int], conn) -> None:
-    """The trainer process: push each seed's weights as version = seed; send back what it saw."""
+def trainer(cfg: dict, arch: str, seeds: list[int], conn, share: bool = False) -> None:
+    """The trainer process: push each seed's weights as version = seed; send back what it saw.
+    `share`: the model's tensors lie in shared memory (`model.share_memory()`)."""
     from vllm_nccl_sync import PushClient, SyncConfig
 
     try:
@@ -29,6 +30,8 @@ def trainer(cfg: dict, arch: str, seeds: list[int], conn) -> None:
         out = []
         for seed in seeds:
             model = build_model(arch, seed)
+            if share:
+                model.share_memory()
             res = client.push(model.state_dict(), version=seed)
             out.append({"bytes": res.bytes, "buckets": res.buckets, "acks": len(res.acks),
                         "expected": hf_greedy(model, PROMPTS, MAX_TOKENS)})
@@ -55,11 +58,14 @@ def generate(llm) -> list[list[int]]:
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("backend", ["gloo", "shm", "shm-in-place"])
 def test_push_from_trainer_process_takes_effect_in_place(engine, backend):
     """Over gloo, then (same engine, newer versions) over the shared-memory plane, whose
-    receiver loads straight from the trainer's segment."""
+    receiver loads straight from the trainer's segment; then with the trainer's model in
+    shared memory, which the engine reads where it lies."""
     arch, llm = engine
+    share = backend == "shm-in-place"
+    backend = "shm" if share else backend
     before = generate(llm)
     [held] = llm.collective_rpc("nccl_sync_state")
     first = max(held["version"], 1) + 1
@@ -69,7 +75,7 @@ def test_push_from_trainer_process_takes_effect_in_place(engine, backend):
                bucket_bytes=64 * 1024, timeout_s=60.0)  # small buckets: many, and chunking
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=trainer, args=(cfg, arch, versions, child), daemon=True)
+    proc = ctx.Process(target=trainer, args=(cfg, arch, versions, child, share), daemon=True)
     proc.start()
     try:
         joined = llm.collective_rpc("nccl_sync_join", timeout=90, args=(cfg, 1))
@@ -80,6 +86,7 @@ def test_push_from_trainer_process_takes_effect_in_place(engine, backend):
             [summary] = llm.collective_rpc("nccl_sync_receive", timeout=120, args=(60.0,))
             assert summary["ok"], summary
             assert summary["version"] == version and summary["consistent"]
+            assert (summary.get("read_in_place", 0) > 0) == share, summary
             # the embedding (and untied LM head) exceed a bucket: loaded row by row
             assert summary["load"]["loaded_by_rows"] == (1 if arch == "qwen2" else 2), summary
             if version == versions[-1]:  # the loader's copies, recorded before, replayed

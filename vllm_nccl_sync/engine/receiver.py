@@ -387,6 +387,8 @@ class Receiver:
             extra["dropped"] = self.inbox.said()
         if u.marks:
             extra["steps_ms"] = u.steps_ms()
+        if self.plane.read_in_place:  # buckets read where they lie in the sender's memory
+            extra["read_in_place"] = self.plane.read_in_place
         out = WorkerSummary(ok, self.rank, self.state.version, self.state.consistent,
                             buckets=u.seq + 1 if u.version >= 0 else 0, bytes=u.nbytes,
                             tensors=u.ntensors if ok else 0, error=error, extra=extra, **kw)

@@ -36,43 +36,9 @@ from typing import Any
 
 import msgspec
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from vllm_nccl_sync.planes.base import register
 from vllm_nccl_sync.planes.shared import SharedTransport
-from vllm_nccl_sync.wire.protocol import Source
-
-
-class Exports:
-    """The storages a sender exported for reading in place: per storage address, its segment
-    (-1: not exportable) while the storage lives. A new storage at a dead one's address is a
-    new segment. Entries of dead storages are swept as the registry grows, and their segments
-    handed back to be forgotten, so a trainer that pushes fresh tensors every step (FSDP's
-    gathered full tensors) keeps neither entries nor published handles of old ones."""
-
-    def __init__(self) -> None:
-        self._by_address: dict[int, tuple[int, StorageWeakRef]] = {}
-        self._sweep_at = 64
-
-    def __len__(self) -> int:
-        return len(self._by_address)
-
-    def get(self, storage: torch.UntypedStorage) -> int | None:
-        """The segment `storage` was exported as, or None if it was not (or that one died)."""
-        seen = self._by_address.get(storage.data_ptr())
-        return None if seen is None or seen[1].expired() else seen[0]
-
-    def add(self, storage: torch.UntypedStorage, segment: int) -> list[int]:
-        """Remember `storage` as `segment`; the segments of storages that died (to forget)."""
-        key = storage.data_ptr()
-        old = self._by_address.get(key)
-        dead = [old[0]] if old is not None and old[1].expired() else []
-        self._by_address[key] = (segment, StorageWeakRef(storage))
-        if len(self._by_address) >= self._sweep_at:
-            gone = [k for k, (_, ref) in self._by_address.items() if ref.expired()]
-            dead += [self._by_address.pop(k)[0] for k in gone]
-            self._sweep_at = 2 * max(len(self._by_address), 32)
-        return [d for d in dead if d >= 0]
 
 
 class IpcMemory(msgspec.Struct, frozen=True):
@@ -167,14 +133,6 @@ class IpcTransport(SharedTransport):
             raise ValueError(f"the ipc plane moves CUDA memory, not {dev}")
         return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
-    def _group(self, store: Any, cfg: Any) -> Any:
-        self._exports = Exports()
-        self._mapped: dict[int, torch.Tensor] = {}
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
-        """The ranges handed out, by (segment, offset, length): the same view each update."""
-        self._segments_made = 0
-        return super()._group(store, cfg)
-
     def _export(self, nbytes: int, keep: list[Any]) -> tuple[bytes, list[torch.Tensor]]:
         with torch.cuda.device(self.device), exportable():
             flat = torch.empty(2 * nbytes, dtype=torch.uint8, device=self.device)
@@ -190,55 +148,13 @@ class IpcTransport(SharedTransport):
 
     # ------------------------------------------------------------------ memory read in place
 
-    def export(self, t: torch.Tensor) -> Source | None:
-        """Where tensor `t`'s bytes lie in memory exported to the receivers (its storage is
-        exported on first use, once); None if it cannot be (another device, not contiguous, or
-        allocated where CUDA IPC cannot export: expandable segments)."""
-        if t.device != self.device or not t.is_contiguous():
-            return None
-        storage = t.untyped_storage()
-        segment = self._exports.get(storage)
-        if segment is None:  # a new storage (or a new one at a dead one's address)
-            try:
-                info = share(storage, self.device)
-            except RuntimeError:
-                segment = -1
-            else:
-                segment = self._segments_made
-                self._segments_made += 1
-                self.pg.store.set(f"segment/{segment}", msgspec.msgpack.encode(info))
-            for dead in self._exports.add(storage, segment):  # no plan can name these again
-                self.pg.store.delete_key(f"segment/{dead}")
-        if segment < 0:
-            return None
-        return Source(segment, t.storage_offset() * t.element_size())
+    def _share(self, storage: torch.UntypedStorage) -> bytes:
+        """Export over CUDA IPC (`RuntimeError` where it cannot be: expandable segments)."""
+        return msgspec.msgpack.encode(share(storage, self.device))
 
-    def mapped(self, at: Source, length: int) -> torch.Tensor:
-        """The `length` bytes at `at`, mapped (each segment once); `ValueError` naming what is
-        wrong: a segment the sender never exported, one on another GPU or claiming more than
-        its allocation, or a range past its end."""
-        view = self._views.get((at.segment, at.offset, length))
-        if view is not None:
-            return view
-        seg = self._mapped.get(at.segment)
-        if seg is None:
-            key = f"segment/{at.segment}"
-            if not self.pg.store.check([key]):
-                raise ValueError(f"memory segment {at.segment} was never exported by the sender")
-            info = msgspec.msgpack.decode(self.pg.store.get(key), type=IpcMemory)
-            seg = self._mapped[at.segment] = open_shared(
-                info, self.device, 0, f"the sender's memory segment {at.segment}")
-        if at.offset + length > seg.numel():
-            raise ValueError(f"bytes [{at.offset}, {at.offset + length}) of the sender's memory "
-                             f"segment {at.segment} lie past its {seg.numel()} bytes")
-        view = self._views[(at.segment, at.offset, length)] = seg[at.offset : at.offset + length]
-        return view
-
-    def keep_mapped(self, segments: set[int]) -> None:
-        """Unmap every segment but `segments` (the sender may free the memory of the others)."""
-        for k in [k for k in self._mapped if k not in segments]:
-            del self._mapped[k]
-        self._views = {k: v for k, v in self._views.items() if k[0] in self._mapped}
+    def _map(self, handle: bytes, what: str) -> torch.Tensor:
+        info = msgspec.msgpack.decode(handle, type=IpcMemory)
+        return open_shared(info, self.device, 0, what)
 
     def _written(self, i: int) -> None:
         self.wait_stream(torch.cuda.current_stream(self.device), self._timeout_s)

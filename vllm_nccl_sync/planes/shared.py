@@ -4,7 +4,9 @@ A broadcast moves no bytes. The sender packs bucket k straight into buffer k % 2
 receiver of the group mapped once, when it joined (`shm`: a POSIX shared-memory segment; `ipc`:
 CUDA memory exported over CUDA IPC); the receiver's loaders read the bucket from there. So each
 byte is copied twice, once by the sender's pack and once by the engine's load, against four
-copies and a socket on gloo.
+copies and a socket on gloo. A state dict's tensors in memory the plane can export are not packed
+at all (`export`/`mapped`: the plane's `_share`/`_map`, the registry in `segments`): each
+receiver maps their storages once and reads them where they lie, one copy per byte.
 
 Synchronisation is a control block in host shared memory (one 64-bit word each, written by one
 side only): per buffer the sender publishes which collective it holds and its exact length; per
@@ -36,7 +38,9 @@ import torch.distributed as dist
 
 from vllm_nccl_sync.outcomes import PeerFailed
 from vllm_nccl_sync.planes.base import Handle, Transport
+from vllm_nccl_sync.planes.segments import Exports, Mappings
 from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.protocol import Source
 
 MAGIC = 0x766E735F73686D31  # "vns_shm1"
 PREFIX = "vllm_nccl_sync-"
@@ -154,6 +158,8 @@ class SharedTransport(Transport):
     canary_bytes = 0
 
     def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
+        self._exports = Exports()  # the sender's memory read in place (`export`)
+        self._mappings = Mappings(self._segment)  # what a receiver mapped of it (`mapped`)
         self._timeout_s = cfg.timeout_s
         self._bucket_bytes = cfg.bucket_bytes
         self._n = 0  # collectives posted so far (both sides count alike)
@@ -212,11 +218,61 @@ class SharedTransport(Transport):
     def _open(self, handle: bytes, nbytes: int, keep: list[Any]) -> list[torch.Tensor]:
         """A receiver: the sender's two buffers from `handle`, checked before mapping."""
 
+    def _share(self, storage: torch.UntypedStorage) -> bytes:
+        """Sender: a handle (msgpack bytes) to `storage` for receivers to map and read in place;
+        `RuntimeError` where it cannot be exported."""
+        raise RuntimeError(f"the {self.backend} plane exports no tensor memory")
+
+    def _map(self, handle: bytes, what: str) -> torch.Tensor:
+        """A receiver: the storage `handle` names, checked and mapped, as flat uint8 (`what`
+        names it in a `ValueError`)."""
+        raise ValueError(f"the {self.backend} plane maps no sender memory: {what} cannot be read")
+
     def _written(self, i: int) -> None:
         """Return once the sender's writes into buffer `i` queued so far have executed."""
 
     def _read(self, i: int) -> None:
         """Return once a receiver's reads of buffer `i` queued so far have executed."""
+
+    # ------------------------------------------------------------------ memory read in place
+
+    def export(self, t: torch.Tensor) -> Source | None:
+        """Where tensor `t`'s bytes lie in memory exported to the receivers (its storage is
+        exported on first use, once, its handle published in the group's store); None if it
+        cannot be (another device, not contiguous, or memory the plane cannot export)."""
+        if t.device != self.device or not t.is_contiguous():
+            return None
+        storage = t.untyped_storage()
+        segment = self._exports.get(storage)
+        if segment is None:  # a new storage (or a new one at a dead one's address)
+            try:
+                handle = self._share(storage)
+            except RuntimeError:
+                segment = -1
+            else:
+                segment, self._exports.made = self._exports.made, self._exports.made + 1
+                self.pg.store.set(f"segment/{segment}", handle)
+            for dead in self._exports.add(storage, segment):  # no plan can name these again
+                self.pg.store.delete_key(f"segment/{dead}")
+        if segment < 0:
+            return None
+        return Source(segment, t.storage_offset() * t.element_size())
+
+    def mapped(self, at: Source, length: int) -> torch.Tensor:
+        """The `length` bytes at `at`, mapped (each segment once); `ValueError` naming what is
+        wrong: a segment the sender never exported, a handle the plane refuses, or a range past
+        the segment's end."""
+        return self._mappings.view(at, length)
+
+    def _segment(self, segment: int) -> torch.Tensor:
+        key = f"segment/{segment}"
+        if not self.pg.store.check([key]):
+            raise ValueError(f"memory segment {segment} was never exported by the sender")
+        return self._map(self.pg.store.get(key), f"the sender's memory segment {segment}")
+
+    def keep_mapped(self, segments: set[int]) -> None:
+        """Unmap every segment but `segments` (the sender may free the memory of the others)."""
+        self._mappings.keep(segments)
 
     # ------------------------------------------------------------------ the broadcast
 

@@ -93,6 +93,8 @@ class BucketLane:
         """Tensors receivers read where they lie in this update."""
         self._ahead = Tap()
         """Their checksums' terms, summed in one launch by `layout`."""
+        self._unsummed: dict[int, list[torch.Tensor]] = {}
+        """On the host: the parts of buckets read in place whose checksum `post` computes."""
 
     # ------------------------------------------------------------------ buffers
 
@@ -165,17 +167,19 @@ class BucketLane:
     def at(self, bucket: Bucket, seq: int) -> list[Source] | None:
         """Where each slot of bucket `seq` lies in memory the receivers map, if every one does
         (the tensors are held until the next update: receivers read them until they
-        acknowledge). Its checksum is made of the terms `layout` summed ahead on this device's
-        stream, so the wait before the plan (`settle`) covers it and the engine's reads do not
-        share the GPU with it."""
+        acknowledge). On CUDA its checksum is made of the terms `layout` summed ahead on this
+        device's stream, so the wait before the plan (`settle`) covers it and the engine's reads
+        do not share the GPU with it; on the host, `post` computes it after the `Go` (the
+        tensors are final by then), while receivers check and load the buckets before it."""
         laid = self._laid[3].get(id(bucket)) if self._laid is not None else None
         places, parts = laid if laid is not None else (self._places(bucket), _parts(bucket))
         if places is None:
             return None
         self.held += bucket.sources
-        if self.check:
-            self.sums[seq] = (checksum_parts(parts) if self._stream is None else
-                              checksum_parts_gpu(parts, [self._ahead.take(p) for p in parts]))
+        if self.check and self._stream is None:
+            self._unsummed[seq] = parts
+        elif self.check:
+            self.sums[seq] = checksum_parts_gpu(parts, [self._ahead.take(p) for p in parts])
         return places
 
     def settle(self) -> None:
@@ -200,7 +204,9 @@ class BucketLane:
         or broadcast is recorded (`failure`, `lost`), never raised."""
         if header.at is not None:  # read where it lies: nothing to send, its checksum queued
             self.posted += 1
-            self.sums.setdefault(header.seq, 0)
+            parts = self._unsummed.pop(header.seq, None)  # or summed now, on the host
+            self.sums[header.seq] = checksum_parts(parts) if parts is not None else \
+                self.sums.get(header.seq, 0)
         else:
             try:
                 wire = make_wire()

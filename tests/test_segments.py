@@ -1,13 +1,13 @@
-"""The ipc plane's registry of storages exported for reading in place (`planes.ipc.Exports`):
-one segment per live storage, and the segments of dead storages handed back to be forgotten (the
-plane deletes their published handles), so fresh tensors every step leak nothing. Host storages
-stand in for CUDA ones: the registry only sees addresses and lifetimes."""
+"""The same-host planes' registry of storages exported for reading in place
+(`planes.segments.Exports`): one segment per live storage, and the segments of dead storages
+handed back to be forgotten (the plane deletes their published handles), so fresh tensors every
+step leak nothing. The registry only sees addresses and lifetimes."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_nccl_sync.planes.ipc import Exports
+from vllm_nccl_sync.planes.segments import Exports
 
 
 def storage(t: torch.Tensor) -> torch.UntypedStorage:
