@@ -93,14 +93,15 @@ class ShmTransport(SharedTransport):
             if not target.startswith("/dev/shm/"):
                 raise ValueError(f"{what} is not shared memory ({target[:80]!r}): refused")
             fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size != info.nbytes or size == 0:
+                    raise ValueError(f"{what} holds {size} bytes, announced {info.nbytes}: "
+                                     "refused")
+                mem = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
         except OSError as e:
-            raise ValueError(f"{what} cannot be opened: {e.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != info.nbytes or size == 0:
-                raise ValueError(f"{what} holds {size} bytes, announced {info.nbytes}: refused")
-            mem = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            raise ValueError(f"{what} cannot be mapped: {e.strerror or e}") from None
         return torch.frombuffer(mem, dtype=torch.uint8)  # holds the mapping
