@@ -175,7 +175,8 @@ class Transport(abc.ABC):
 
     def export(self, t: torch.Tensor) -> Source | None:
         """Sender: where `t`'s bytes lie in memory the receivers map, so its bucket is read in
-        place (`BucketHeader.at`); None (every plane but `ipc`): it travels by broadcast."""
+        place (`BucketHeader.at`); None (gloo, nccl; the same-host planes where they cannot
+        export it): it travels by broadcast."""
         return None
 
     def mapped(self, at: Source, length: int) -> torch.Tensor:
