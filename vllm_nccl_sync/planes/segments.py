@@ -23,8 +23,7 @@ class Exports:
     def __init__(self) -> None:
         self._by_address: dict[int, tuple[int, StorageWeakRef]] = {}
         self._sweep_at = 64
-        self.made = 0
-        """Segments numbered so far (a number is never given twice)."""
+        self._made = 0
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -33,6 +32,11 @@ class Exports:
         """The segment `storage` was exported as, or None if it was not (or that one died)."""
         seen = self._by_address.get(storage.data_ptr())
         return None if seen is None or seen[1].expired() else seen[0]
+
+    def number(self) -> int:
+        """A new segment's number (never one given before)."""
+        self._made += 1
+        return self._made - 1
 
     def add(self, storage: torch.UntypedStorage, segment: int) -> list[int]:
         """Remember `storage` as `segment`; the segments of storages that died (to forget)."""

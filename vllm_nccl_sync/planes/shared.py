@@ -218,15 +218,15 @@ class SharedTransport(Transport):
     def _open(self, handle: bytes, nbytes: int, keep: list[Any]) -> list[torch.Tensor]:
         """A receiver: the sender's two buffers from `handle`, checked before mapping."""
 
+    @abc.abstractmethod
     def _share(self, storage: torch.UntypedStorage) -> bytes:
         """Sender: a handle (msgpack bytes) to `storage` for receivers to map and read in place;
         `RuntimeError` where it cannot be exported."""
-        raise RuntimeError(f"the {self.backend} plane exports no tensor memory")
 
+    @abc.abstractmethod
     def _map(self, handle: bytes, what: str) -> torch.Tensor:
         """A receiver: the storage `handle` names, checked and mapped, as flat uint8 (`what`
         names it in a `ValueError`)."""
-        raise ValueError(f"the {self.backend} plane maps no sender memory: {what} cannot be read")
 
     def _written(self, i: int) -> None:
         """Return once the sender's writes into buffer `i` queued so far have executed."""
@@ -250,7 +250,7 @@ class SharedTransport(Transport):
             except RuntimeError:
                 segment = -1
             else:
-                segment, self._exports.made = self._exports.made, self._exports.made + 1
+                segment = self._exports.number()
                 self.pg.store.set(f"segment/{segment}", handle)
             for dead in self._exports.add(storage, segment):  # no plan can name these again
                 self.pg.store.delete_key(f"segment/{dead}")
