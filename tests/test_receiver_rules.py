@@ -391,6 +391,10 @@ def test_a_run_of_buckets_read_in_place_goes_to_the_loader_in_one_call():
     assert [n for n, _ in got[1]] == ["t0", "t1"]  # ends before a packed bucket
     assert [n for n, _ in got[2]] == ["t2"] and [n for n, _ in got[3]] == ["t3"]
     assert u.batch == []
+    # a plane that copies each bucket into its own (reused) buffer: no runs
+    u.runs = False
+    got = [u.batched([(f"t{x.seq}", torch.zeros(1))], x) for x in heads]
+    assert [[n for n, _ in g] for g in got] == [["t0"], ["t1"], ["t2"], ["t3"]]
 
 
 def test_a_summary_says_where_the_receiver_spent_the_update(pair):

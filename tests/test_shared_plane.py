@@ -19,9 +19,8 @@ from tests.test_planes import _pair
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.outcomes import PeerFailed
-from vllm_nccl_sync.planes import shared
 from vllm_nccl_sync.planes.base import Transport, plane
-from vllm_nccl_sync.planes.shared import Segment, create_segment, open_segment, unlink_segment
+from vllm_nccl_sync.planes.handoff import checked_fd, new_memory
 
 pytestmark = pytest.mark.multiproc
 
@@ -45,7 +44,8 @@ def test_the_shared_planes_state_their_policies_and_take_one_sender():
 def test_a_broadcast_moves_no_bytes_the_receiver_reads_the_senders_buffer():
     tx, rx = _pair(_cfg())
     try:
-        assert not any(os.path.exists(f"/dev/shm/{s.name}") for s in tx._segments)  # unlinked
+        # the memory has no name: nothing of the group's is in /dev/shm
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("vllm_nccl_sync")]
         out, into = tx.shared_buffers()[1], rx.shared_buffers()[1]
         out[:300] = torch.arange(300) % 251
         send = tx.broadcast(out[:300])
@@ -106,28 +106,31 @@ def test_a_receiver_that_exits_is_lost_at_once_not_at_the_timeout():
         tx.close()
 
 
-def test_segments_of_another_name_or_size_are_refused_before_mapping():
-    seg, mem = create_segment(8192)
+def test_memory_handed_over_is_checked_after_it_arrived(tmp_path):
+    """A descriptor is mapped only if it is shared memory of the sender's user, of the size
+    announced: a regular file (a symlink opens as its target), another user's memory or a
+    forged size is refused, naming no path."""
+    fd = new_memory(8192)
+    regular = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
+    os.symlink(tmp_path / "f", tmp_path / "link")
+    link = os.open(tmp_path / "link", os.O_RDONLY)
+    os.ftruncate(regular, 8192)
     try:
-        assert os.stat(f"/dev/shm/{seg.name}").st_mode & 0o777 == 0o600
-        open_segment(seg, 8192).close()
-        with pytest.raises(ValueError, match="not one of this package's"):
-            open_segment(Segment("psm_other", 8192), 4096)
-        with pytest.raises(ValueError, match="not one of this package's"):
-            open_segment(Segment(shared.PREFIX + "../../etc/passwd", 8192), 4096)
+        checked_fd(fd, 8192, os.getuid(), "m")
+        for bad in (regular, link):
+            with pytest.raises(ValueError, match=r"^m is not shared memory: refused$"):
+                checked_fd(bad, 8192, os.getuid(), "m")
+        with pytest.raises(ValueError, match="belongs to another user than the sender"):
+            checked_fd(fd, 8192, os.getuid() + 1, "m")
         with pytest.raises(ValueError, match="holds 8192 bytes, announced 16384"):
-            open_segment(Segment(seg.name, 16384), 16384)  # a forged size
-        with pytest.raises(ValueError, match="needed 12288"):
-            open_segment(seg, 12288)
+            checked_fd(fd, 16384, os.getuid(), "m")
     finally:
-        mem.close()
-        unlink_segment(seg)
+        for f in (fd, regular, link):
+            os.close(f)
 
 
-def test_a_join_record_of_another_bucket_size_is_refused(monkeypatch):
-    """A sender whose buffers are not the size this receiver's config agreed to; it leaves no
-    segment behind (named apart from any other run's on this host)."""
-    monkeypatch.setattr(shared, "PREFIX", f"{shared.PREFIX}{os.getpid()}-")
+def test_a_join_record_of_another_bucket_size_is_refused():
+    """A sender whose buffers are not the size this receiver's config agreed to."""
     mine = _cfg(timeout_s=2.0)
     theirs = SyncConfig(**{**mine.to_dict(), "bucket_bytes": 8192})
     box: dict = {}
@@ -137,7 +140,6 @@ def test_a_join_record_of_another_bucket_size_is_refused(monkeypatch):
         Transport(mine, 1)
     th.join(60)
     assert isinstance(box[0], Exception)  # the sender's join ends at its timeout
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(shared.PREFIX)]
 
 
 def _try(fn):
@@ -175,7 +177,7 @@ def _receiver(cfg: dict, n: int, garble: int) -> list[dict]:
     def arrived(self, seq, length, work):
         if count["n"] == garble and seq == 0:
             work.wait()
-            self.buffers[0][length // 2] ^= 0xFF
+            self.wire[0][length // 2] ^= 0xFF  # the sender's memory, before it is read
         return real(self, seq, length, work)
 
     dataplane.ReceivePlane.arrived = arrived
@@ -288,22 +290,23 @@ def _forging_sender(cfg: dict, case: str) -> list[dict]:
     update 2: an honest push of the same kind."""
     import torch.multiprocessing as torch_mp
 
-    from vllm_nccl_sync.planes.shm import ShmStorage, ShmTransport
+    from vllm_nccl_sync.planes.shm import ShmMemory, ShmTransport
     from vllm_nccl_sync.wire.protocol import Source
 
     real_export, real_share = ShmTransport.export, ShmTransport._share
     regular = open(__file__, "rb")  # noqa: SIM115 - held open for the handle below
+    theirs = new_memory(1 << 20)  # shared memory of another user
+    os.fchown(theirs, 65534, 65534)
 
     def share(self, storage):
         fd, nbytes = storage._share_fd_cpu_()
-        pid, size = os.getpid(), nbytes
-        if case == "another-process":
-            pid = os.getppid()
+        if case == "another-user":
+            fd, nbytes = theirs, 1 << 20
         elif case == "not-shared-memory":
             fd = regular.fileno()
         elif case == "wrong-size":
-            size = nbytes + 8
-        return msgspec.msgpack.encode(ShmStorage(pid, fd, size))
+            nbytes += 8
+        return msgspec.msgpack.encode(ShmMemory(nbytes)), [fd]
 
     def export(self, t):
         if case == "never-exported":
@@ -325,14 +328,15 @@ def _forging_sender(cfg: dict, case: str) -> list[dict]:
             out.append({"ok": False, "error": str(e)})
     client.close()
     regular.close()
+    os.close(theirs)
     return out
 
 
 @pytest.mark.parametrize("case, match", [
     ("never-exported", r"memory segment 7 was never exported by the sender"),
     ("past-the-end", r"bytes \[\d+, \d+\) of the sender's memory segment 0 lie past its \d+ bytes"),
-    ("another-process", r"names process \d+, not the sender \(\d+\): refused"),
-    ("not-shared-memory", r"is not shared memory \('.*test_shared_plane.py'\): refused"),
+    ("another-user", r"segment 0 belongs to another user than the sender: refused"),
+    ("not-shared-memory", r"segment 0 is not shared memory: refused"),
     ("wrong-size", r"holds \d+ bytes, announced \d+: refused"),
 ])
 def test_forged_memory_to_read_in_place_is_refused_before_anything_is_read(case, match):
@@ -345,6 +349,301 @@ def test_forged_memory_to_read_in_place_is_refused_before_anything_is_read(case,
     assert "refused at the plan" in sent[0]["error"], sent
     assert not got[0]["summary"]["ok"] and not got[0]["loaded"], got[0]
     assert re.search(match, got[0]["summary"]["error"]), got[0]["summary"]
+    assert "/" not in sent[0]["error"].split("refused at the plan", 1)[1], sent  # no path
     assert sent[1] == {"ok": True} and got[1]["summary"]["ok"], (sent, got[1])
     assert got[1]["summary"]["read_in_place"] > 0
     assert got[1]["digests"] == _expected(model_tensors(2))
+
+
+# ---------------------------------------------------------------- a writer during the push
+
+W_NAME, W_BYTES = "w.weight", 64 * 1024
+"""A tensor in shared memory that fills one bucket by itself (read in place, alone)."""
+
+
+def _writing_sender(cfg: dict, n: int) -> list[dict]:
+    """`n` pushes of `w.weight` (shared memory, read in place) and a packed tensor; in pushes
+    `v % 4 in (1, 2)` a trainer thread rewrites both all through the push. Staged every other
+    push. Returns each push's outcome and, for the quiet ones, the bytes pushed."""
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    w = torch.zeros(W_BYTES // 4).share_memory_()
+    p = torch.zeros(1024)
+    out = []
+    for v in range(1, n + 1):
+        w.fill_(float(v))
+        p.fill_(float(-v))
+        stop, writing = threading.Event(), v % 4 in (1, 2)
+
+        def write(stop=stop, v=v):
+            k = 0
+            while not stop.is_set():
+                k += 1
+                w.fill_(v + k / 1000.0)
+                p.fill_(-v - k / 1000.0)
+
+        th = threading.Thread(target=write)
+        if writing:
+            th.start()
+        try:
+            client.push({W_NAME: w, "p.weight": p}, version=v, staged=v % 2 == 0)
+            ok, error = True, ""
+        except Exception as e:  # noqa: BLE001
+            ok, error = False, str(e)
+        stop.set()
+        if writing:
+            th.join()
+        out.append({"ok": ok, "error": error, "writing": writing,
+                    "w": None if writing else digest(w)})
+    client.close()
+    return out
+
+
+def _checking_receiver(cfg: dict, n: int) -> list[dict]:
+    """Receives `n` updates; per update the checksum this receiver verified for `w.weight`'s
+    bucket and the checksum of the bytes its loader was given. In updates `v % 4 == 3` the
+    sender's memory as this receiver reads it changes right after the check (the worst moment a
+    writer can pick), without touching the mapping later updates read."""
+    from vllm_nccl_sync.engine import dataplane
+    from vllm_nccl_sync.wire.integrity import checksum_parts
+
+    rx = Receiver(SyncConfig(**cfg), 1)
+    real, verified = dataplane.ReceivePlane.arrived, {}
+
+    def arrived(self, seq, length, work):
+        got = real(self, seq, length, work)
+        if isinstance(work, dataplane._Mapped) and length == W_BYTES:
+            verified["w"] = got
+            if verified["v"] % 4 == 3:  # what a second read of the memory would now find
+                work.parts[0] = work.parts[0].clone().bitwise_xor_(0xFF)
+        return got
+
+    dataplane.ReceivePlane.arrived = arrived
+
+    class Loader(DigestLoader):
+        def load(self, named):
+            for name, t in named:
+                if name == W_NAME:
+                    self.loaded = checksum_parts([t.contiguous().view(torch.uint8).reshape(-1)])
+            return super().load(named)
+
+    out = []
+    for i in range(n):
+        verified.clear()
+        verified["v"] = i + 1
+        loader = Loader()
+        s = rx.receive(loader, timeout_s=60)
+        out.append({"ok": s["ok"], "verified": verified.get("w"),
+                    "loaded": getattr(loader, "loaded", None),
+                    "w": loader.digests.get(W_NAME, ("",))[0]})
+    rx.close()
+    return out
+
+
+def test_a_trainer_writing_during_the_push_never_gets_unchecked_bytes_committed():
+    """A trainer thread rewrites a tensor read in place (and a packed one) all through 25 of 50
+    pushes, staged and in place, and in 12 more the memory changes right after the receiver's
+    check: every update that commits loaded exactly the bytes whose checksum matched the
+    sender's (the receiver loads its own checked copy, never the trainer's memory read a second
+    time); every push without a writer commits the trainer's bytes."""
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
+               bucket_bytes=W_BYTES, timeout_s=30.0)
+    n = 50
+    sent, got = run_procs([(_writing_sender, (cfg, n)), (_checking_receiver, (cfg, n))], 300)
+    for s, g in zip(sent, got, strict=True):
+        assert s["ok"] == g["ok"], (s, g)
+        if g["ok"]:
+            assert g["verified"] is not None and g["loaded"] == g["verified"], (s, g)
+        if not s["writing"]:
+            assert s["ok"] and g["w"] == s["w"], (s, g)
+        else:
+            assert s["ok"] or "checksum" in s["error"], s
+
+
+# ---------------------------------------------------------------- a trainer of another user
+
+NOBODY = 65534
+
+
+def _victim(where: str) -> None:
+    """A third process (root, as the engine) holding a secret in shared memory; says its pid and
+    the secret's descriptor in `where`, then waits until that file is removed (bounded)."""
+    import time
+
+    secret = torch.full((4096,), 1234.5).share_memory_()
+    fd, _ = secret.untyped_storage()._share_fd_cpu_()
+    with open(f"{where}.tmp", "w") as f:
+        f.write(f"{os.getpid()} {fd}")
+    os.rename(f"{where}.tmp", where)
+    end = time.monotonic() + 120
+    while os.path.exists(where) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _foreign_sender(cfg: dict, victim: tuple[int, int], whose: str) -> list[dict]:
+    """A trainer running as another user (nobody) whose first update names memory of another
+    process, as the old handle format let it (`whose`: a third user's process, or one of its
+    own user's), with a forged join record claiming that process; its second update is honest
+    (its own model in shared memory)."""
+    import torch.distributed as dist
+
+    from vllm_nccl_sync.planes.shm import ShmTransport
+    from vllm_nccl_sync.wire.protocol import Source
+
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    if whose == "own-user":  # a process of its own user holding shared memory
+        r, w = os.pipe()
+        pid, fd = os.fork(), 3
+        if pid == 0:
+            held = torch.full((4096,), 7.0).share_memory_()
+            os.read(r, 1)
+            del held
+            os._exit(0)
+    else:
+        pid, fd = victim
+    real_export = ShmTransport.export
+
+    def export(self, t):  # the old format's forged handle, and a plan that names it
+        store = dist.PrefixStore("vllm_nccl_sync", self._store)
+        store.set("segment/99", msgspec.msgpack.encode({"pid": pid, "fd": fd, "nbytes": 16384}))
+        return Source(99, 0)
+
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    out = []
+    for v in (1, 2):
+        ShmTransport.export = export if v == 1 else real_export
+        try:
+            client.push(_shared(v), version=v)
+            out.append({"ok": True})
+        except Exception as e:  # noqa: BLE001
+            out.append({"ok": False, "error": str(e)})
+    client.close()
+    if whose == "own-user":
+        os.close(w)
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the trainer as another user")
+@pytest.mark.parametrize("whose", ["third-user", "own-user"])
+def test_a_trainer_of_another_user_cannot_make_the_engine_read_other_memory(tmp_path, whose):
+    """The engine (root) is fed by a trainer running as nobody that names another process's
+    memory: refused at the plan, nothing read or loaded, and nothing the engine computed of any
+    memory (no checksum) and no path comes back to it; its own memory is then read in place."""
+    where = str(tmp_path / "victim")
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
+               bucket_bytes=16 * 1024, timeout_s=30.0)
+    victim = mp.get_context("spawn").Process(target=_victim, args=(where,), daemon=True)
+    victim.start()
+    try:
+        while not os.path.exists(where):
+            assert victim.is_alive(), "the victim process died"
+            victim.join(0.05)
+        pid_fd = tuple(map(int, open(where).read().split()))
+        sent, got = run_procs([(_foreign_sender, (cfg, pid_fd, whose)),
+                               (_receiver, (cfg, 2, -1))], 120)
+    finally:
+        if os.path.exists(where):
+            os.unlink(where)
+        victim.join(60)
+    assert not sent[0]["ok"] and "refused at the plan" in sent[0]["error"], sent
+    assert "memory segment 99 was never exported by the sender" in sent[0]["error"], sent
+    assert not re.search(r"0x[0-9a-f]{6,}|/proc|/dev/shm|/tmp", sent[0]["error"]), sent
+    assert not got[0]["summary"]["ok"] and not got[0]["loaded"], got[0]
+    assert got[0]["summary"]["version"] != 1
+    assert sent[1] == {"ok": True} and got[1]["summary"]["ok"], (sent, got[1])
+    assert got[1]["summary"]["read_in_place"] > 0
+    assert got[1]["digests"] == _expected(model_tensors(2))
+
+
+def test_cuda_ipc_handles_are_checked_before_pytorch_opens_anything():
+    """What a CPU host can check of a forged CUDA IPC handle: a reference counter that is not
+    one PyTorch made in the sender's own process (another process's, a path out of /dev/shm, a
+    name of another form) or an offset outside the counter file is refused before PyTorch would
+    open (and later decrement) it; a handle with descriptors, or one that does not decode, is
+    refused before anything is mapped."""
+    from vllm_nccl_sync.planes.ipc import IpcMemory, IpcTransport, ref_counter_problem
+
+    def info(ref: bytes, offset: int = 0) -> IpcMemory:
+        return IpcMemory("GPU-x", b"h" * 64, 4096, 0, ref, offset, b"", False)
+
+    assert ref_counter_problem(info(b"/torch_4242_981273_0"), 4242, "m") == ""
+    assert ref_counter_problem(info(b"/torch_4242_981273_7", 9999), 4242, "m") == ""
+    for ref, offset in [(b"/torch_4243_981273_0", 0), (b"/torch_42_981273_0", 0),
+                        (b"/torch_4242_../../etc/passwd", 0), (b"/torch_4242_1_2_3", 0),
+                        (b"/psm_4242_1_2", 0), (b"/torch_4242_1_2", -1),
+                        (b"/torch_4242_1_2", 10000)]:
+        assert ref_counter_problem(info(ref, offset), 4242, "m").endswith(": refused"), ref
+    plane = object.__new__(IpcTransport)  # the checks come before any CUDA call
+    with pytest.raises(ValueError, match="comes with no descriptors"):
+        plane._opened(msgspec.msgpack.encode(info(b"/torch_1_2_3")), [5], 0, "m", 1)
+    with pytest.raises(ValueError, match="does not decode"):
+        plane._opened(b"junk", [], 0, "m", 1)
+
+
+def _rogue(cfg: dict, uid: int, secret: bytes | None) -> str:
+    """A local process that reads the join record from the store and connects to the sender's
+    handoff socket as rank 1 (as user `uid`, proving `secret`): what it got."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from vllm_nccl_sync.planes.handoff import Join, Link
+
+    if uid != os.getuid():
+        os.setgid(uid)
+        os.setuid(uid)
+    store = dist.PrefixStore("vllm_nccl_sync", dist.TCPStore(
+        cfg["host"], cfg["group_port"], is_master=False, timeout=timedelta(seconds=30)))
+    raw = store.get("join")
+    join = msgspec.msgpack.decode(raw[: len(raw) - (32 if cfg.get("secret") else 0)], type=Join)
+    try:
+        link = Link(join, 1, secret, 30.0)
+        handle, fds = link.group_memory()
+    except (ValueError, OSError) as e:
+        return f"refused: {e}"
+    return f"got the group's memory ({len(fds)} descriptors)"
+
+
+@pytest.mark.parametrize("who", ["wrong-secret", "another-user"])
+def test_a_local_process_that_is_not_the_receiver_gets_no_memory(who):
+    """The sender hands its memory only to a receiver of its own user (or root) that proves the
+    config's secret: a rogue that connects first is refused and the real receiver joins."""
+    if who == "another-user" and os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    secret = "ab" * 16
+    cfg = _cfg(secret=secret, timeout_s=30.0)
+    uid, proof = (os.getuid(), b"\x00" * 16) if who == "wrong-secret" else (NOBODY, bytes.fromhex(secret))
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault(0, _try(lambda: Transport(cfg, 0))))
+    th.start()
+    try:
+        rogue, = run_procs([(_rogue, (cfg.to_dict(), uid, proof))], 60)
+        assert rogue.startswith("refused"), rogue
+        rx = Transport(cfg, 1)
+    finally:
+        th.join(60)
+    tx = box[0]
+    assert isinstance(tx, Transport), tx
+    try:
+        tx.shared_buffers()[0][:8] = 7
+        send = tx.broadcast(tx.shared_buffers()[0][:8])
+        assert rx.broadcast(rx.shared_buffers()[0][:8]).wait()
+        assert torch.equal(rx.shared_buffers()[0][:8], torch.full((8,), 7, dtype=torch.uint8))
+        rx.release(0)
+        assert send.wait()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_join_record_without_the_secret_is_refused():
+    """A receiver with a secret refuses a join record that does not carry it."""
+    from vllm_nccl_sync.planes.handoff import Join, open_join, seal_join
+
+    join = Join(1, b"\0vllm_nccl_sync-x", 4096)
+    assert open_join(seal_join(join, b"k" * 16), b"k" * 16) == join
+    for raw in (seal_join(join, None), seal_join(join, b"j" * 16)):
+        with pytest.raises(ValueError, match="does not carry this config's secret"):
+            open_join(raw, b"k" * 16)

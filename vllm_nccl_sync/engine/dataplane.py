@@ -57,25 +57,36 @@ class ReceivePlane:
         self.digest_per_bucket = first.digest_per_bucket
         self.canary_bytes = first.canary_bytes
         self.shared = first.shares_buffers
-        """The sender's buffers, mapped (same-host planes): loads read them in place, and each
-        is handed back (`release`) once its loads ran."""
+        """The sender's buffers, mapped (same-host planes): each is handed back (`release`) once
+        this receiver is done reading it."""
+        self.cuda = self.device.type == "cuda"
         feeds_cuda = (self.device.type == "cpu" and engine is not None and engine.type == "cuda"
                       and torch.cuda.is_available())
-        if self.shared:
-            if len(transports) != 1:
-                raise ValueError(f"the {first.backend} plane takes one sender")
+        self.copies = self.shared and not self.cuda
+        """A host plane sharing the sender's memory: each bucket is copied once into this
+        receiver's own buffer, which is checksummed and loaded (never the sender's memory read
+        twice: a concurrent writer is caught, never loaded unchecked)."""
+        self.loads_in_place = self.shared and not self.copies
+        """Loads read the sender's memory where it lies (`ipc`): buckets read in place stay
+        valid all update, so a run of them may go to the loader in one call."""
+        if self.shared and len(transports) != 1:
+            raise ValueError(f"the {first.backend} plane takes one sender")
+        if self.loads_in_place:
             self.buffers = first.shared_buffers()
         else:
             self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
                                         pin_memory=feeds_cuda) for _ in range(2)]
+        self.wire = first.shared_buffers() if self.shared else self.buffers
+        """The buffers the collectives fill (the sender's, on same-host planes)."""
         self._pinned_for = engine if feeds_cuda else None
+        self._slots: dict[int, list[Any]] = {}
+        """Slots of posted buckets read in place that this receiver copies (`copies`)."""
         self.in_place: dict[int, list[torch.Tensor]] = {}
         """Buckets read where their slots lie in the sender's memory (`BucketHeader.at`), by
         seq: one flat tensor per slot."""
         self.read_in_place = 0
         self.tap = Tap()
         """What this receiver checksums of the sender's memory, and what its loads summed."""
-        self.cuda = self.device.type == "cuda"
         if self.cuda:
             if self.shared:  # ipc: its checksum kernels built now, not in the first updates
                 warm(self.device)
@@ -109,6 +120,7 @@ class ReceivePlane:
     def begin(self) -> None:
         """A new update: CUDA loads queue after whatever the engine queued before."""
         self.in_place.clear()
+        self._slots.clear()
         self.read_in_place = 0
         self.tap = Tap()
         if self.cuda:
@@ -157,9 +169,11 @@ class ReceivePlane:
         """Post the collective filling buffer seq % 2; returns its handle and canary (if any).
         A bucket read where it lies posts nothing: its handle holds the mapped bytes."""
         if header.at is not None:
+            if self.copies:
+                self._slots[seq] = header.slots
             return _Mapped(self._parts(header)), None
         i, length = seq % 2, header.length
-        buf, t = self.buffers[i], self.transports[header.src]
+        buf, t = self.wire[i], self.transports[header.src]
         if self.canary_bytes:
             room = min(self.canary_bytes, buf.numel() - length)
             canary = None
@@ -178,14 +192,17 @@ class ReceivePlane:
         checksum: an int now (`digest_per_bucket`), else one queued beside on the device."""
         work.wait()
         if isinstance(work, _Mapped):
-            parts = self.in_place[seq] = work.parts
             self.read_in_place += 1
-            if not self.cuda:
-                return checksum_parts(parts)
+            if self.copies:
+                return checksum_parts(self._copy_parts(seq, work.parts))
+            parts = self.in_place[seq] = work.parts
             for p in parts:  # summed by the loads that copy them whole, the rest at the Seal
                 self.tap.want(p)
             return _Gathered(parts)
         data = self.buffers[seq % 2][:length]
+        if self.copies:  # one read of the sender's buffer, which goes back at once
+            data.copy_(self.wire[seq % 2][:length])
+            self.transports[0].release(seq % 2)
         if self.digest_per_bucket:
             return checksum(data)  # while the sender's Digest (and bucket k+1) fly
         with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both
@@ -193,6 +210,18 @@ class ReceivePlane:
             got = checksum_gpu(data)
             self._cksum_done[seq % 2].record(self._cksum)
         return got
+
+    def _copy_parts(self, seq: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy a bucket read in place into this receiver's buffer, each part where a packed
+        bucket holds its slot (it is then unpacked like one); the copies, one per part."""
+        header_slots = self._slots.pop(seq)
+        buf = self.buffers[seq % 2]
+        out = []
+        for s, p in zip(header_slots, parts, strict=True):
+            dst = buf[s.offset : s.offset + s.nbytes]
+            dst.copy_(p)
+            out.append(dst)
+        return out
 
     def bucket(self, seq: int) -> torch.Tensor | list[torch.Tensor]:
         """Where bucket `seq`'s bytes are to be unpacked from (once `arrived`): the buffer, or
@@ -211,6 +240,8 @@ class ReceivePlane:
         shared one goes back to the sender (on CUDA ordered after the loads). A bucket read in
         place frees nothing: the sender's memory is its own until this receiver's `Ack`."""
         if self.in_place.pop(seq, None) is not None:
+            return
+        if self.copies:  # given back when copied
             return
         if self._pinned_for is not None:
             torch.cuda.current_stream(self._pinned_for).synchronize()

@@ -9,10 +9,10 @@ and verified, and stamps the version only on the `Commit` that follows its `Ack`
 an absolute deadline (`inbox`). With `require_checksums` (the engine's policy, never the
 trainer's: `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS`) a bucket that no checksum covers is refused.
 
-A receiver that fails tells the sender at once (`Error`) and keeps joining every collective a `Go`
-covers; the sender aborts every rank after the last of them. A worker whose weights may differ
-from its peers' under the stamped version reports `consistent: False` until the next complete
-update. Several senders: one data-plane group each; bucket k comes from its header's `src`.
+A receiver that fails tells the sender at once (`Error`) and joins every collective a `Go` covers;
+the sender then aborts every rank. A worker whose weights may differ from its peers' under the
+stamped version reports `consistent: False` until the next complete update. Several senders: one
+data-plane group each; bucket k comes from its header's `src`.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ class Receiver:
         receiver of every engine confirmed the update.
         """
         self.inbox.reset()
-        u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders, beside=beside)
+        u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders, beside=beside,
+                   runs=self.plane.loads_in_place)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
         re = Reassembler()

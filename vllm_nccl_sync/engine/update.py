@@ -32,6 +32,9 @@ class Update:
     capacity: int
     senders: int = 1
     version: int = -1
+    runs: bool = True
+    """The plane's loads read buckets read in place where they lie (valid all update), so a run
+    of them goes to the loader in one call; False where each is copied into a reused buffer."""
     staged: bool = False
     seq: int = 0
     """The bucket being received."""
@@ -167,10 +170,10 @@ class Update:
     def batched(self, named: list[tuple[str, torch.Tensor]],
                 header: BucketHeader) -> list[tuple[str, torch.Tensor]] | None:
         """`named` added to the tensors waiting for the loader: all of them to load now, or None
-        while a run of buckets read in place goes on (one loader call for the run)."""
+        while a run of buckets read in place goes on (one loader call for the run, where `runs`)."""
         self.batch += named
         after = self.headers.get(header.seq + 1)
-        if header.at is not None and after is not None and after.at is not None:
+        if self.runs and header.at is not None and after is not None and after.at is not None:
             return None
         ready, self.batch = self.batch, []
         return ready

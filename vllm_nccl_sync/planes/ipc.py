@@ -14,10 +14,17 @@ in the other process sees only records that already executed, so a pack still qu
 be waited for (tried: the receiver checksummed a buffer before the sender's pack into it ran).
 Checksums: as on NCCL, on the device beside the copies, compared once at the `Seal`.
 
+Handles come only over the handoff socket (`handoff`), from the process the kernel names as the
+sender. Mapping one through PyTorch opens its reference counter (a /dev/shm file, by name) and
+decrements a word in it when the mapping goes: a receiver accepts only a counter PyTorch made in
+the sender's own process, at an offset inside the file (`ref_counter_problem`). What the driver
+itself checks of a handle is the driver's: legacy CUDA IPC handles carry no credential, so a
+handle of another process's memory that the sender learned could be opened (see docs/security.md).
+
 Read in place (`export`/`mapped`): a tensor of a state dict that lies contiguous in exportable
 memory on the plane's GPU is not packed at all. Its storage is exported once (while it lives:
-a new storage, even at the same address, is a new segment), the segment's handle goes through
-the group's store, and its header names where its bytes lie (`BucketHeader.at`). Each receiver
+a new storage, even at the same address, is a new segment), the segment's handle goes to each
+receiver over the handoff socket, and its header names where its bytes lie (`BucketHeader.at`). Each receiver
 maps a segment once, checks the range before the plan is accepted, and its loader copies
 straight out of the trainer's memory: one copy per byte, and no handoff per bucket. The sender
 waits for its own GPU work before the `Go` (its tensors are final when a receiver reads them)
@@ -38,6 +45,7 @@ import msgspec
 import torch
 
 from vllm_nccl_sync.planes.base import register
+from vllm_nccl_sync.planes.handoff import Creds
 from vllm_nccl_sync.planes.shared import SharedTransport
 
 
@@ -91,10 +99,35 @@ def share(storage: torch.UntypedStorage, device: torch.device) -> IpcMemory:
     return IpcMemory(gpu_uuid(device), handle, size, offset, ref_handle, ref_offset, ev, bool(sync))
 
 
-def open_shared(info: IpcMemory, device: torch.device, need: int, what: str) -> torch.Tensor:
+_REF_COUNTERS = 10000
+"""Counters in one of PyTorch's CUDA IPC reference-counter files (`CUDA_IPC_REF_COUNTER_FILE_SIZE`)."""
+
+
+def ref_counter_problem(info: IpcMemory, sender_pid: int, what: str) -> str:
+    """Why `info`'s reference counter is refused ("" if it is not). Mapping a CUDA IPC handle
+    through PyTorch opens that counter by name and decrements the word at its offset when the
+    mapping goes: so it must be one PyTorch made in the sender's own process (the kernel's
+    pid), at an offset inside the file, and never a name that reaches out of /dev/shm."""
+    name = info.ref_handle
+    stem = f"/torch_{sender_pid}_".encode()
+    tail = name[len(stem):].split(b"_")
+    if (not name.startswith(stem) or len(tail) != 2
+            or not all(p.isdigit() and len(p) <= 20 for p in tail)):
+        return f"{what}: its reference counter is not one the sender's process made: refused"
+    if not 0 <= info.ref_offset < _REF_COUNTERS:
+        return f"{what}: its reference counter's offset lies outside the counter file: refused"
+    return ""
+
+
+def open_shared(info: IpcMemory, device: torch.device, need: int, what: str,
+                sender_pid: int) -> torch.Tensor:
     """The bytes of an exported storage, mapped, as flat uint8 on `device`: after checking that
-    it lies on this GPU, holds `need` bytes and that the driver maps all it claims; `ValueError`
-    naming `what` and the problem otherwise."""
+    it lies on this GPU, that its reference counter is the sender's (`ref_counter_problem`),
+    that it holds `need` bytes and that the driver maps all it claims; `ValueError` naming
+    `what` and the problem otherwise."""
+    problem = ref_counter_problem(info, sender_pid, what)
+    if problem:
+        raise ValueError(problem)
     mine = gpu_uuid(device)
     if info.uuid != mine:
         raise ValueError(f"{what} is on GPU {info.uuid}, this worker is on {mine}: the ipc plane "
@@ -133,28 +166,40 @@ class IpcTransport(SharedTransport):
             raise ValueError(f"the ipc plane moves CUDA memory, not {dev}")
         return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
-    def _export(self, nbytes: int, keep: list[Any]) -> tuple[bytes, list[torch.Tensor]]:
+    def _export(self, nbytes: int,
+                keep: list[Any]) -> tuple[bytes, list[int], list[torch.Tensor]]:
         with torch.cuda.device(self.device), exportable():
             flat = torch.empty(2 * nbytes, dtype=torch.uint8, device=self.device)
         keep.append(flat)
         info = share(flat.untyped_storage(), self.device)
-        return msgspec.msgpack.encode(info), [flat[:nbytes], flat[nbytes:]]
+        return msgspec.msgpack.encode(info), [], [flat[:nbytes], flat[nbytes:]]
 
-    def _open(self, handle: bytes, nbytes: int, keep: list[Any]) -> list[torch.Tensor]:
-        info = msgspec.msgpack.decode(handle, type=IpcMemory)
-        flat = open_shared(info, self.device, 2 * nbytes, "the trainer's buffers")[: 2 * nbytes]
+    def _open(self, handle: bytes, fds: list[int], nbytes: int, keep: list[Any],
+              sender: Creds) -> list[torch.Tensor]:
+        flat = self._opened(handle, fds, 2 * nbytes, "the trainer's buffers",
+                            sender.pid)[: 2 * nbytes]
         keep.append(flat)
         return [flat[:nbytes], flat[nbytes:]]
 
+    def _opened(self, handle: bytes, fds: list[int], need: int, what: str,
+                sender_pid: int) -> torch.Tensor:
+        """`open_shared` of a handle that came with no descriptors."""
+        if fds:
+            raise ValueError(f"{what}: a CUDA IPC handle comes with no descriptors: refused")
+        try:
+            info = msgspec.msgpack.decode(handle, type=IpcMemory)
+        except msgspec.DecodeError:
+            raise ValueError(f"{what}: its handle does not decode: refused") from None
+        return open_shared(info, self.device, need, what, sender_pid)
+
     # ------------------------------------------------------------------ memory read in place
 
-    def _share(self, storage: torch.UntypedStorage) -> bytes:
+    def _share(self, storage: torch.UntypedStorage) -> tuple[bytes, list[int]]:
         """Export over CUDA IPC (`RuntimeError` where it cannot be: expandable segments)."""
-        return msgspec.msgpack.encode(share(storage, self.device))
+        return msgspec.msgpack.encode(share(storage, self.device)), []
 
-    def _map(self, handle: bytes, what: str) -> torch.Tensor:
-        info = msgspec.msgpack.decode(handle, type=IpcMemory)
-        return open_shared(info, self.device, 0, what)
+    def _map(self, handle: bytes, fds: list[int], what: str) -> torch.Tensor:
+        return self._opened(handle, fds, 0, what, self.pg.pids[0])
 
     def _written(self, i: int) -> None:
         self.wait_stream(torch.cuda.current_stream(self.device), self._timeout_s)

@@ -19,8 +19,10 @@ receiver still reads. Each side publishes only after its own work on the buffer 
 
 Every wait polls with a deadline (`timeout_s`) and checks that the peer's process is alive: a
 receiver that dies is `lost` at once, a sender that dies fails the receiver's wait at once.
-Handles travel as msgspec messages through the group's rendezvous store, no pickle; a receiver
-checks them (the segment's name and size, the device's UUID) before mapping anything.
+The memory itself is handed over on a Unix socket (`handoff`): each side knows the other's pid
+and user from the kernel, memory travels as descriptors (never opened by a name a peer gave),
+and a receiver checks each (shared memory of the sender's user, of the size announced; on
+`ipc` the device's UUID and the driver's range) before mapping anything.
 """
 
 from __future__ import annotations
@@ -28,87 +30,36 @@ from __future__ import annotations
 import abc
 import mmap
 import os
-import secrets
 import time
 from typing import Any, ClassVar
 
-import msgspec
 import torch
 import torch.distributed as dist
 
 from vllm_nccl_sync.outcomes import PeerFailed
 from vllm_nccl_sync.planes.base import Handle, Transport
+from vllm_nccl_sync.planes.handoff import (
+    Creds,
+    Forget,
+    Hub,
+    Join,
+    Link,
+    Memory,
+    checked_fd,
+    new_memory,
+    open_join,
+    seal_join,
+)
 from vllm_nccl_sync.planes.segments import Exports, Mappings
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.protocol import Source
 
 MAGIC = 0x766E735F73686D31  # "vns_shm1"
-PREFIX = "vllm_nccl_sync-"
-"""Every segment name starts with this; a receiver refuses any other name."""
 _CTRL = 4096
-"""Bytes of the control block at the start of a segment."""
+"""Bytes of the control block: its own shared memory, handed over with the buffers."""
 _READY, _LENGTH = 2, 4  # words: ready[2] (collective number + 1), length[2]
 _RELEASED = 8  # words: released[rank][2] from here, ranks 1..world-1
 _LIVENESS_S = 0.05
-
-
-class Segment(msgspec.Struct, frozen=True):
-    """A shared-memory segment as a receiver opens it: its name and size in bytes."""
-
-    name: str
-    nbytes: int
-
-
-def create_segment(nbytes: int) -> tuple[Segment, mmap.mmap]:
-    """A new segment of `nbytes` readable and writable by this user only, mapped."""
-    name = PREFIX + secrets.token_hex(12)
-    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        return Segment(name, nbytes), mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
-def open_segment(seg: Segment, need: int) -> mmap.mmap:
-    """Map segment `seg` after checking its name and that it holds `need` bytes; `ValueError`
-    naming what is wrong."""
-    if not seg.name.startswith(PREFIX) or "/" in seg.name or len(seg.name) > 64:
-        raise ValueError(f"refusing shared-memory segment {seg.name!r}: not one of this package's")
-    fd = os.open(f"/dev/shm/{seg.name}", os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        if size != seg.nbytes or size < need:
-            raise ValueError(f"shared-memory segment {seg.name} holds {size} bytes, announced "
-                             f"{seg.nbytes}, needed {need}")
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-def unlink_segment(seg: Segment) -> None:
-    """Remove the segment's name (mappings stay valid until their processes unmap)."""
-    try:
-        os.unlink(f"/dev/shm/{seg.name}")
-    except FileNotFoundError:
-        pass
-
-
-class Join(msgspec.Struct, frozen=True):
-    """What rank 0 publishes for the group: the control segment, the buffers' handle (plane
-    specific, msgpack bytes) and its pid."""
-
-    magic: int
-    control: Segment
-    buffers: bytes
-    pid: int
-    bucket_bytes: int
-
-
-class Attach(msgspec.Struct, frozen=True):
-    """What a receiver publishes once it mapped the memory: its pid."""
-
-    pid: int
 
 
 def _alive(pid: int) -> bool:
@@ -128,8 +79,8 @@ class _Group:
     """The mapped control block and buffers of one rank."""
 
     def __init__(self, ctrl: torch.Tensor, buffers: list[torch.Tensor], pids: dict[int, int],
-                 keep: list[Any], store: dist.Store) -> None:
-        self.store = store  # the group's rendezvous, where later handles go (`ipc` segments)
+                 keep: list[Any], peer: Hub | Link) -> None:
+        self.peer = peer  # the handoff socket(s), where later segments go
         self.ctrl = ctrl
         self.buffers = buffers
         self.pids = pids
@@ -164,69 +115,95 @@ class SharedTransport(Transport):
         self._bucket_bytes = cfg.bucket_bytes
         self._n = 0  # collectives posted so far (both sides count alike)
         self._last = [-1, -1]  # the collective each buffer last held
-        need = _CTRL
-        if _RELEASED + 2 * cfg.world_size > need // 8:
-            raise ValueError(f"a shared plane serves at most {need // 16 - 4} receivers")
+        if _RELEASED + 2 * cfg.world_size > _CTRL // 8:
+            raise ValueError(f"a shared plane serves at most {_CTRL // 16 - 4} receivers")
         keep: list[Any] = []
         if self.rank == 0:
-            seg, ctrl_map = create_segment(need)
-            keep.append(ctrl_map)
-            torch.frombuffer(ctrl_map, dtype=torch.int64, count=1)[0] = MAGIC  # the rest is 0
-            self._segments = [seg]
-            handle, buffers = self._export(cfg.bucket_bytes, keep)
-            join = Join(MAGIC, seg, handle, os.getpid(), cfg.bucket_bytes)
-            store.set("join", msgspec.msgpack.encode(join))
+            peer: Hub | Link = Hub(cfg.secret_bytes, cfg.timeout_s)
             try:
-                pids = self._attached(store, cfg.world_size)
-            finally:  # mapped by every rank now (or the join failed)
-                for made in self._segments:
-                    unlink_segment(made)
+                ctrl_map, buffers, pids = self._hand_over(peer, store, cfg, keep)
+            except BaseException:
+                peer.close()
+                raise
         else:
-            join = msgspec.msgpack.decode(store.get("join"), type=Join)
+            join = open_join(store.get("join"), cfg.secret_bytes)
             if join.magic != MAGIC or join.bucket_bytes != cfg.bucket_bytes:
                 raise ValueError(f"shared plane: the sender's join record (magic {join.magic:#x}, "
                                  f"bucket_bytes {join.bucket_bytes}) does not match this "
                                  f"receiver's ({MAGIC:#x}, {cfg.bucket_bytes})")
-            ctrl_map = open_segment(join.control, need)
-            keep.append(ctrl_map)
-            buffers = self._open(join.buffers, cfg.bucket_bytes, keep)
-            store.set(f"attached/{self.rank}",
-                      msgspec.msgpack.encode(Attach(os.getpid())))
-            pids = {0: join.pid}
-        ctrl = torch.frombuffer(ctrl_map, dtype=torch.int64, count=need // 8)
+            peer = Link(join, self.rank, cfg.secret_bytes, cfg.timeout_s)
+            try:
+                ctrl_map, buffers = self._take_over(peer, cfg.bucket_bytes, keep)
+            except BaseException:
+                peer.close()
+                raise
+            pids = {0: peer.sender.pid}
+        keep.append(ctrl_map)
+        ctrl = torch.frombuffer(ctrl_map, dtype=torch.int64, count=_CTRL // 8)
         if int(ctrl[0]) != MAGIC:
             raise ValueError("shared plane: the control block does not carry this package's mark")
-        return _Group(ctrl, buffers, pids, keep, store)
+        return _Group(ctrl, buffers, pids, keep, peer)
 
-    def _attached(self, store: dist.Store, world_size: int) -> dict[int, int]:
-        """Rank 0: wait (bounded by the store's timeout) until every receiver mapped the
-        memory; their pids."""
-        pids = {}
-        for r in range(1, world_size):
-            att = msgspec.msgpack.decode(store.get(f"attached/{r}"), type=Attach)
-            pids[r] = att.pid
-        return pids
+    def _hand_over(self, hub: Hub, store: dist.Store, cfg: SyncConfig,
+                   keep: list[Any]) -> tuple[mmap.mmap, list[torch.Tensor], dict[int, int]]:
+        """Rank 0: make the control block and buffers, hand them to every receiver that joins
+        (bounded); the control block, the buffers and the receivers' pids (the kernel's word)."""
+        ctrl_fd = new_memory(_CTRL)
+        fds: list[int] = []
+        try:
+            ctrl_map = mmap.mmap(ctrl_fd, _CTRL)
+            torch.frombuffer(ctrl_map, dtype=torch.int64, count=1)[0] = MAGIC  # the rest is 0
+            handle, fds, buffers = self._export(cfg.bucket_bytes, keep)
+            store.set("join", seal_join(Join(MAGIC, hub.name, cfg.bucket_bytes), cfg.secret_bytes))
+            hub.accept(range(1, cfg.world_size))
+            hub.publish(Memory(-1, handle, 1 + len(fds)), [ctrl_fd, *fds])
+            hub.attached()
+        finally:  # the mappings keep the memory; receivers hold their own descriptors
+            for fd in (ctrl_fd, *fds):
+                os.close(fd)
+        if hub.gone:
+            raise ValueError(f"shared plane: {hub.gone}")
+        return ctrl_map, buffers, {r: link.peer.pid for r, link in hub.links.items()}
+
+    def _take_over(self, link: Link, nbytes: int,
+                   keep: list[Any]) -> tuple[mmap.mmap, list[torch.Tensor]]:
+        """A receiver: the group's memory the sender handed over, checked, then mapped."""
+        handle, fds = link.group_memory()
+        try:
+            if not fds:
+                raise ValueError("shared plane: the sender handed over no control block")
+            checked_fd(fds[0], _CTRL, link.sender.uid, "the sender's control block")
+            ctrl_map = mmap.mmap(fds[0], _CTRL)
+            buffers = self._open(handle, fds[1:], nbytes, keep, link.sender)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        link.attached(self.rank)
+        return ctrl_map, buffers
 
     # ------------------------------------------------------------------ plane specifics
 
     @abc.abstractmethod
-    def _export(self, nbytes: int, keep: list[Any]) -> tuple[bytes, list[torch.Tensor]]:
-        """Rank 0: two buffers of `nbytes` others can map, and their handle (msgpack bytes);
-        segments it creates go into `self._segments` (unlinked once every receiver joined)."""
+    def _export(self, nbytes: int,
+                keep: list[Any]) -> tuple[bytes, list[int], list[torch.Tensor]]:
+        """Rank 0: two buffers of `nbytes` others can map, their handle (msgpack bytes) and the
+        descriptors that go with it (closed by the caller once handed over)."""
 
     @abc.abstractmethod
-    def _open(self, handle: bytes, nbytes: int, keep: list[Any]) -> list[torch.Tensor]:
-        """A receiver: the sender's two buffers from `handle`, checked before mapping."""
+    def _open(self, handle: bytes, fds: list[int], nbytes: int, keep: list[Any],
+              sender: Creds) -> list[torch.Tensor]:
+        """A receiver: the sender's two buffers from `handle` and `fds` (`sender`: who the
+        kernel says handed them over), checked before mapping; the caller closes `fds`."""
 
     @abc.abstractmethod
-    def _share(self, storage: torch.UntypedStorage) -> bytes:
-        """Sender: a handle (msgpack bytes) to `storage` for receivers to map and read in place;
-        `RuntimeError` where it cannot be exported."""
+    def _share(self, storage: torch.UntypedStorage) -> tuple[bytes, list[int]]:
+        """Sender: a handle (msgpack bytes) to `storage` and the descriptors that go with it,
+        for receivers to map and read in place; `RuntimeError` where it cannot be exported."""
 
     @abc.abstractmethod
-    def _map(self, handle: bytes, what: str) -> torch.Tensor:
-        """A receiver: the storage `handle` names, checked and mapped, as flat uint8 (`what`
-        names it in a `ValueError`)."""
+    def _map(self, handle: bytes, fds: list[int], what: str) -> torch.Tensor:
+        """A receiver: the storage `handle` and `fds` name, checked and mapped, as flat uint8
+        (`what` names it in a `ValueError`); the descriptors stay open (the handoff owns them)."""
 
     def _written(self, i: int) -> None:
         """Return once the sender's writes into buffer `i` queued so far have executed."""
@@ -238,7 +215,7 @@ class SharedTransport(Transport):
 
     def export(self, t: torch.Tensor) -> Source | None:
         """Where tensor `t`'s bytes lie in memory exported to the receivers (its storage is
-        exported on first use, once, its handle published in the group's store); None if it
+        exported on first use, once, and handed to every receiver); None if it
         cannot be (another device, not contiguous, or memory the plane cannot export)."""
         if t.device != self.device or not t.is_contiguous():
             return None
@@ -246,14 +223,15 @@ class SharedTransport(Transport):
         segment = self._exports.get(storage)
         if segment is None:  # a new storage (or a new one at a dead one's address)
             try:
-                handle = self._share(storage)
+                handle, fds = self._share(storage)
             except RuntimeError:
                 segment = -1
             else:
                 segment = self._exports.number()
-                self.pg.store.set(f"segment/{segment}", handle)
-            for dead in self._exports.add(storage, segment):  # no plan can name these again
-                self.pg.store.delete_key(f"segment/{dead}")
+                self.pg.peer.publish(Memory(segment, handle, len(fds)), fds)
+            dead = self._exports.add(storage, segment)
+            if dead:  # no plan can name these again
+                self.pg.peer.publish(Forget(dead))
         if segment < 0:
             return None
         return Source(segment, t.storage_offset() * t.element_size())
@@ -265,10 +243,11 @@ class SharedTransport(Transport):
         return self._mappings.view(at, length)
 
     def _segment(self, segment: int) -> torch.Tensor:
-        key = f"segment/{segment}"
-        if not self.pg.store.check([key]):
-            raise ValueError(f"memory segment {segment} was never exported by the sender")
-        return self._map(self.pg.store.get(key), f"the sender's memory segment {segment}")
+        try:
+            handle, fds = self.pg.peer.segment(segment)
+        except (OSError, ConnectionError) as e:
+            raise ValueError(f"the sender's handoff socket failed: {e}") from None
+        return self._map(handle, fds, f"the sender's memory segment {segment}")
 
     def keep_mapped(self, segments: set[int]) -> None:
         """Unmap every segment but `segments` (the sender may free the memory of the others)."""
@@ -363,3 +342,4 @@ class SharedTransport(Transport):
     def _release(self) -> None:
         if self.rank != 0:
             self.release_all()
+        self.pg.peer.close()

@@ -120,6 +120,11 @@ def mac(secret: bytes | None, direction: bytes, meta: bytes, payload) -> bytes:
     return h.digest()
 
 
+def mac_matches(secret: bytes | None, direction: bytes, meta: bytes, payload, tag) -> bool:
+    """Whether `tag` is `mac(...)` of these (in constant time): the one MAC check."""
+    return hmac.compare_digest(bytes(tag), mac(secret, direction, meta, payload))
+
+
 def build_tag(secret: bytes | None, direction: bytes, meta: FrameMeta, payload) -> bytes:
     """The tag of `payload` sent `direction` with `meta`."""
     packed = META.pack(FRAMING, meta.session, meta.epoch, meta.counter, meta.rank)
@@ -140,7 +145,7 @@ def check_frame(secret: bytes | None, direction: bytes, parts: Sequence) -> Fram
             return Rejection("bad MAC", "a secret is configured on one side only")
         return Rejection("malformed", f"tag of {len(tag)} bytes")
     packed = bytes(tag[: META.size])
-    if not hmac.compare_digest(bytes(tag[META.size :]), mac(secret, direction, packed, payload)):
+    if not mac_matches(secret, direction, packed, payload, tag[META.size :]):
         return Rejection("bad MAC")
     framing, session, epoch, counter, rank = META.unpack(packed)
     if framing != FRAMING:
