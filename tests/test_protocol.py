@@ -27,6 +27,8 @@ from vllm_nccl_sync.wire.protocol import (
     Slot,
     Source,
     TensorSpec,
+    UnreadablePlan,
+    belongs,
     decode,
     encode,
 )
@@ -163,6 +165,45 @@ def test_decoding_enforces_the_bounds_and_names_the_path(msg, where):
                          ids=lambda m: type(m).__name__)
 def test_minus_one_where_it_means_none(msg):
     assert decode(encode(msg)) == msg
+
+
+def test_the_version_rule_an_error_belongs_only_to_the_update_it_names():
+    """A failure is its update's: an `Error` of version -1 (its sender knew of no update) belongs
+    to none, so it cannot fail whichever update opens next."""
+    assert belongs(Error(P, 1, 0, "x", version=5), 5)
+    assert not belongs(Error(P, 1, 0, "x", version=4), 5)
+    assert not belongs(Error(P, 1, -1, "before any plan", version=-1), 5)
+    assert not belongs(Error(P, 1, -1, "before any plan", version=-1), -1)
+    assert not belongs(Ready(P, 1, 0), 5) and not belongs(Hello(P, 1, 0, 0, 1, 64, "gloo"), 5)
+
+
+@pytest.mark.parametrize("case", ["past a bound", "nested protocol", "message protocol"])
+def test_a_plan_that_does_not_decode_still_names_its_update(case):
+    """The update a frame that claims to be a Plan opens is read where it can be (a receiver
+    refuses that update at once instead of leaving the sender to its timeout)."""
+    raw = msgspec.to_builtins(Plan(P, 7, [], buckets=[_h([], 0)]))
+    if case == "past a bound":
+        raw["buckets"][0]["length"] = -1
+    elif case == "nested protocol":
+        raw["buckets"][0]["protocol"] = P - 1
+    else:
+        raw["protocol"] = P - 1
+    with pytest.raises(UnreadablePlan) as e:
+        decode(msgspec.msgpack.encode(raw))
+    assert e.value.version == 7 and isinstance(e.value, ProtocolError)
+
+
+@pytest.mark.parametrize("frame", [
+    encode(Go(P - 1, 7, 0)),  # not a Plan
+    msgspec.msgpack.encode({"type": "plan", "protocol": P, "version": -1, "tensors": []}),
+    msgspec.msgpack.encode({"type": "plan", "protocol": P, "tensors": []}),  # no version
+    encode(Plan(P, 7, []))[:-3],  # cut short
+    b"\x00 not msgpack at all",
+], ids=["go", "bad version", "no version", "truncated", "junk"])
+def test_a_frame_naming_no_readable_plan_names_no_update(frame):
+    with pytest.raises(ProtocolError) as e:
+        decode(frame)
+    assert not isinstance(e.value, UnreadablePlan), e.value
 
 
 def test_a_message_at_each_count_bound_fits_a_frame_and_one_more_is_refused():

@@ -284,8 +284,9 @@ class Commit(msgspec.Struct, tag="commit", frozen=True, forbid_unknown_fields=Tr
 
 class Error(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True):
     """Either way: the peer failed; `message` names the problem, `traceback` is the remote one.
-    `version` is the update it belongs to (-1: none yet), so a late error of an aborted update
-    cannot fail the next one."""
+    `version` is the update it belongs to, so a late error of an aborted update cannot fail the
+    next one; -1 names none and belongs to no update (a side that failed before any update
+    opened tells nobody: nobody asked)."""
 
     protocol: int
     rank: Count
@@ -332,18 +333,34 @@ Message = (Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ac
 def belongs(msg: Message, version: int) -> bool:
     """The version rule: is `msg` a message of update `version`?
 
-    A message belongs to an update when it names that update's version. An `Error` naming no
-    update (version -1: its sender failed before it learned which update was opening) belongs to
-    whichever update is open. `Hello` and `SenderHello` belong to no update (they open sessions).
+    A message belongs to an update when it names that update's version; every failure is its
+    update's. One naming none (version -1) belongs to no update: were such an `Error` taken by
+    whichever update is open, a stale failure would fail the next update. `Hello` and
+    `SenderHello` belong to no update (they open sessions).
     """
     got = getattr(msg, "version", None)
-    if got is None:
-        return False
-    return got == version or (got == -1 and isinstance(msg, Error))
+    return got is not None and got >= 0 and got == version
+
+
+class UnreadablePlan(ProtocolError):
+    """A frame that claims to be the `Plan` of update `version` but does not decode (a value
+    past its bounds, another protocol): its update is known, so it can be refused as such."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+class _Opening(msgspec.Struct, tag="plan"):
+    """All that is read of a frame that does not decode as a `Plan`: the update it opens
+    (every other field skipped unchecked)."""
+
+    version: Count
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_opening = msgspec.msgpack.Decoder(_Opening)
 
 
 def encode(msg: Message) -> bytes:
@@ -354,9 +371,29 @@ def encode(msg: Message) -> bytes:
 def decode(frame: bytes | memoryview) -> Message:
     """Decode one frame into a `Message`, or raise `ProtocolError` naming what is wrong: a frame
     over `MAX_FRAME_BYTES`, bytes that are no message, a value past the types' bounds (with its
-    path), or another protocol version (of the message, or of a header nested in a `Plan`)."""
+    path), or another protocol version (of the message, or of a header nested in a `Plan`).
+    `UnreadablePlan` where the frame is tagged a `Plan` whose version can still be read."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _checked(frame)
+    except ProtocolError as e:
+        version = _plan_version(frame)
+        if version is None:
+            raise
+        raise UnreadablePlan(str(e), version) from None
+
+
+def _plan_version(frame: bytes | memoryview) -> int | None:
+    """The version a frame tagged as a `Plan` names (None: another tag, or none readable)."""
+    try:
+        return _opening.decode(frame).version
+    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+        return None
+
+
+def _checked(frame: bytes | memoryview) -> Message:
+    """`decode` of a frame within `MAX_FRAME_BYTES`."""
     try:
         msg = _decoder.decode(frame)
     except msgspec.ValidationError as e:
