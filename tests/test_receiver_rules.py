@@ -5,8 +5,9 @@ Real ZeroMQ sockets and a real 2-rank gloo group (CPU): the test plays rank 0 by
 
 a) Every wait ends at its absolute deadline: a peer trickling frames of another update (before
    the plan, while the receiver waits for a `Go`, or for the `Commit`) does not keep it waiting.
-b) A plan is refused as a whole: a `Go` after the refusal, whatever bucket was refused, means the
-   sender posts a collective nobody here joins; the group is given up. An `Abort` keeps it.
+b) A plan is refused as a whole, whichever check refused it (the headers, the data plane): a
+   `Go` after the refusal, whatever bucket was refused, means the sender posts a collective
+   nobody here joins; the group is given up. An `Abort` keeps it.
 c) What was received and dropped before the plan is named in the result.
 d) Each tensor is named once per update (plan list, headers, stream headers); the commit round's
    order (`Commit` after this receiver's `Ack`); a header nested in a plan speaks the protocol.
@@ -29,6 +30,7 @@ import torch
 from tests.conftest import free_port
 from vllm_nccl_sync.engine.loaders import ModuleLoader
 from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.engine.state import ReceiverState
 from vllm_nccl_sync.planes.base import open_transport
 from vllm_nccl_sync.wire.channel import SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
@@ -46,6 +48,7 @@ from vllm_nccl_sync.wire.protocol import (
     Plan,
     Ready,
     Seal,
+    Source,
     TensorSpec,
     encode,
 )
@@ -80,14 +83,15 @@ class Model(torch.nn.Module):
 class Pair:
     """Rank 0 by hand against a real `Receiver` (rank 1) whose `receive` runs in a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: ReceiverState | None = None) -> None:
+        """A fresh group; `state`: what a re-joining worker carries over."""
         self.cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=2,
                               bucket_bytes=CAP, timeout_s=T, secret=SECRET)
         self.ch = SenderChannel(self.cfg.host, self.cfg.control_port, self.cfg.secret_bytes)
         box: dict = {}
         th = threading.Thread(target=lambda: box.setdefault("tx", open_transport(self.cfg, 0)))
         th.start()
-        self.rx = Receiver(self.cfg, 1, dtype="float32")
+        self.rx = Receiver(self.cfg, 1, dtype="float32", state=state)
         th.join(60)
         self.tx = box["tx"]
         self.hello = self.recv()
@@ -251,6 +255,35 @@ def test_an_abort_after_a_refused_plan_keeps_the_group(pair):
     assert not summary["ok"] and "a receiver refused" in summary["error"], summary
     assert not pair.rx.broken
     pair.good_update(version, 2)
+
+
+def test_a_go_after_a_plan_refused_by_the_data_plane_gives_the_group_up(pair):
+    """Every header passes the update's checks, but bucket 0 is to be read where it lies in the
+    sender's memory (`at`), which gloo maps none of: the plan is refused as a whole. A Go
+    anyway is no agreement (the sender posts collectives nobody here joins): nothing joined, the
+    update failed, the group given up; re-joined, the next update goes through."""
+    version = 3
+    _, headers = pair.buckets(version, weights(1))
+    headers[0] = msgspec.structs.replace(headers[0], at=[Source(0, 0) for _ in headers[0].slots])
+    done = pair.receive()
+    pair.ch.send(1, Plan(P, version, [], buckets=headers))
+    err = pair.expect(Error, version)
+    assert "rank 1 refused bucket 0: the gloo plane maps no sender memory" in err.message, err
+    pair.ch.send(1, Go(P, version, len(headers) - 1))
+    pair.ch.send(1, Abort(P, version, len(headers), "the hand trainer gives up"))
+    summary, _ = done.result(BOUND)
+    assert not summary["ok"], summary
+    assert re.search(r"sender sent Go for bucket \d+, refused: rank 1 refused bucket 0",
+                     summary["error"]), summary
+    assert pair.rx.transport.collectives == 0  # nothing was joined
+    assert pair.rx.broken, "the group was kept although the sender posted collectives"
+    assert summary["consistent"], summary  # nothing of the update was taken as agreed
+    again = Pair(state=pair.rx.state)  # re-joined: a fresh group, what the worker holds kept
+    try:
+        again.good_update(version, 2)
+        assert all(torch.equal(p, weights(2)[n]) for n, p in again.model.named_parameters())
+    finally:
+        again.close()
 
 
 # ---------------------------------------------------------------- c) what arrived is said

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -178,12 +178,18 @@ class Receiver:
                    or u.open(plan, self.reference)
                    or self.plane.mapping_problem(plan.buckets, self.rank, plan=True))
         if problem:
-            u.failed, u.refused = problem, 0
-            self.inbox.fail(u, problem, -1)
-            # A Go instead, whatever bucket was refused: the sender posts collectives this
-            # receiver never joins (`_pump` gives the group up).
-            self._pump(u, lambda: False, "Abort")
+            self._refuse(u, problem)
         self.inbox.send(Ready(PROTOCOL_VERSION, self.rank, u.accepted, plan.version))
+
+    def _refuse(self, u: Update, problem: str) -> NoReturn:
+        """Refuse update `u`'s plan as a whole, then wait for the sender's `Abort` so that both
+        sides end the update alike; raises (the Abort, a `Go`, or the deadline)."""
+        u.refuse(problem)
+        self.inbox.fail(u, problem, -1)
+        # A Go instead, whatever bucket was refused: the sender posts collectives this
+        # receiver never joins (`_pump` gives the group up).
+        self._pump(u, lambda: False, "Abort")
+        raise AssertionError("only a raise ends the wait for an Abort")
 
     def _shadow_problem(self, plan: Plan, u: Update) -> str:
         """Why an update received beside serving is refused ("" if its shadow fits)."""
@@ -209,13 +215,14 @@ class Receiver:
             msg = self.inbox.next(u, wait)
             if isinstance(msg, BucketHeader) and u.last < 0:
                 self._announced(msg, u)
+            elif isinstance(msg, Go) and 0 <= u.refused <= msg.seq:
+                # Before agreement: a Go covering a refused bucket agrees to nothing.
+                u.in_step = False
+                raise UpdateFailed(f"sender sent Go for bucket {msg.seq}, refused: {u.failed}")
             elif isinstance(msg, Go) and u.agreed < msg.seq <= u.accepted:
                 u.agreed = msg.seq
                 if not u.staged:
                     u.exposed = True  # in place: from now on some worker may load this update
-            elif isinstance(msg, Go) and 0 <= u.refused <= msg.seq:
-                u.in_step = False
-                raise UpdateFailed(f"sender sent Go for bucket {msg.seq}, refused: {u.failed}")
             elif (isinstance(msg, Digest) and self.plane.digest_per_bucket
                   and u.seq <= msg.seq <= u.agreed and msg.seq not in u.digests):
                 u.digests[msg.seq] = msg.checksum

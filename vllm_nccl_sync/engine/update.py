@@ -122,9 +122,16 @@ class Update:
             problem = (f"rank {self.rank} rejected bucket {h.seq}: force flag differs from the "
                        "plan's") if h.force != plan.force else self.accept(h)
             if problem:
-                self.headers, self.accepted, self.last, self.refused = {}, -1, -1, 0
+                self.refuse(problem)
                 return problem
         return ""
+
+    def refuse(self, problem: str) -> None:
+        """Record the refusal of the whole plan, whichever check refused it: no header is
+        accepted, so no `Go` is agreement (a `Go` for any bucket is one nobody here joins)."""
+        self.headers, self.accepted, self.last, self.refused = {}, -1, -1, 0
+        if self.failed is None:
+            self.failed = problem
 
     def accept(self, header: BucketHeader) -> str:
         """Check the next header; on success remember it, else record the refusal."""
