@@ -692,7 +692,8 @@ class Case:
     told: bool = True
     """The receiver's last message must be the `Error` telling the sender."""
     opened: bool = True
-    """The update opened (the plan came): the `Error` names its version, else -1."""
+    """The update opened (the plan came): the `Error` names its version; else nobody asked, and
+    the sender is told nothing."""
 
 
 def legit_events(tensors, version, ahead: int | None) -> tuple[list[tuple[str, object]], list[int]]:
@@ -1006,10 +1007,13 @@ def run_hostile(hostile, scenario, data):
                 assert got <= accepted and not got & case.unloaded, (scenario, name, log)
             if loader.began and not loader.finished:
                 assert loader.aborted
-        # The failure converged: the sender was told (unless it was the one that ended it).
-        if case.told:
+        # The failure converged: the sender was told (unless it was the one that ended it, or
+        # no plan came: nobody asked, and an Error of no update would belong to none).
+        if not case.opened:
+            assert not any(isinstance(m, Error) for m in sent), (scenario, sent)
+        elif case.told:
             assert isinstance(sent[-1], Error), (scenario, sent[-1])
-            assert sent[-1].version == (version if case.opened else -1), (scenario, sent[-1])
+            assert sent[-1].version == version, (scenario, sent[-1])
         # Every verbatim replay was dropped: read up to a fresh sentinel sent after everything.
         trainer.send(1, Abort(P, 0, -1, "sentinel"))  # any update: read directly
         while True:

@@ -339,3 +339,56 @@ def test_a_tensor_larger_than_a_bucket_is_loaded_by_rows_without_staging(rows):
         assert sum(got["allocs"]) < 4096, got["allocs"]  # no staging, nothing near a bucket
     else:
         assert embed.nbytes in got["allocs"], got["allocs"]  # the staging copy
+
+
+# ---------------------------------------------------------------- every failure is its update's
+
+def late_sender_proc(cfg: dict, timed_out, done) -> dict:
+    """Pushes version 1 once the receiver's first receive ended (it timed out before any plan);
+    keeps its sockets until the receiver is done (a close drops what is queued: LINGER 0)."""
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    assert timed_out.wait(DEADLINE / 2), "the receiver's first receive never ended"
+    try:
+        r = client.push(model_tensors(seed=1), version=1)
+        out = {"ok": True, "acks": sorted(a.rank for a in r.acks)}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out = {"ok": False, "error": str(e)}
+    done.wait(DEADLINE / 2)
+    client.close()
+    return out
+
+
+def early_receiver_proc(cfg: dict, timed_out, done) -> dict:
+    """A receive that times out before any plan, then one that takes the trainer's push."""
+    rx = Receiver(SyncConfig(**cfg), 1)
+    try:
+        first = rx.receive(DigestLoader(), timeout_s=0.5)
+        timed_out.set()
+        loader = DigestLoader()
+        second = rx.receive(loader, timeout_s=60)
+    finally:
+        done.set()
+    rx.close()
+    return {"first": first, "second": second, "digests": loader.digests}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_receive_that_timed_out_before_any_plan_leaves_the_next_push_alone(backend):
+    """A receiver whose receive timed out before any plan came tells nobody (nobody asked): the
+    trainer's next push is accepted, committed and its bytes arrive right, and the receiver's own
+    summary of the first receive still reports its timeout."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    timed_out, done = ctx.Event(), ctx.Event()
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2,
+               bucket_bytes=16 * 1024, timeout_s=30.0, backend=backend)
+    sent, got = run_procs([(late_sender_proc, (cfg, timed_out, done)),
+                           (early_receiver_proc, (cfg, timed_out, done))], DEADLINE)
+    first, second = got["first"], got["second"]
+    assert not first["ok"] and "waited 0.5 s for the Plan of an update" in first["error"], first
+    assert sent == {"ok": True, "acks": [1]}, sent
+    assert second["ok"] and second["version"] == 1, second
+    want = {n: (digest(t), str(t.dtype), list(t.shape)) for n, t in model_tensors(1).items()}
+    assert got["digests"] == want

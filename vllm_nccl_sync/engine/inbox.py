@@ -4,7 +4,8 @@ Every wait ends at its absolute deadline, whatever arrives meanwhile: messages o
 (`protocol.belongs`) are skipped without extending it, an `Abort` of this update ends the update,
 and a wait that ends without what it waited for names what it received and dropped. Before an
 update opens, frames that do not decode are dropped too (leftovers are not its concern); they are
-named the same way.
+named the same way, except a `Plan` that names its update (`protocol.UnreadablePlan`): that
+update opened, and is refused as a whole.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from dataclasses import dataclass, field
 from vllm_nccl_sync.engine.update import Update
 from vllm_nccl_sync.outcomes import ProtocolError, UpdateFailed, clip
 from vllm_nccl_sync.wire.channel import ReceiverChannel
-from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, Abort, Error, Message, Plan, belongs
+from vllm_nccl_sync.wire.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    Message,
+    Plan,
+    UnreadablePlan,
+    belongs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,8 @@ class Inbox:
     # ------------------------------------------------------------------ waits
 
     def opening(self, seconds: float) -> Plan:
-        """The next update's `Plan`, within `seconds`; anything else before it is dropped."""
+        """The next update's `Plan`, within `seconds`; anything else before it is dropped, but a
+        Plan that does not decode and names its update raises `UnreadablePlan`."""
         return self._take(Wait("the Plan of an update", seconds), None)
 
     def next(self, u: Update, wait: Wait) -> Message:
@@ -97,7 +107,7 @@ class Inbox:
             except TimeoutError as e:
                 raise self._expired(wait, str(e)) from None
             except ProtocolError as e:
-                if u is not None:
+                if u is not None or isinstance(e, UnreadablePlan):
                     raise
                 log.warning("rank %d dropped an undecodable frame before the update: %s",
                             self.rank, clip(str(e), 200))
@@ -128,7 +138,10 @@ class Inbox:
     # ------------------------------------------------------------------ telling the sender
 
     def tell(self, u: Update, seq: int, message: str, tb: str = "") -> None:
-        """Send an `Error` of update `u` (bounded: a dead sender must not block us)."""
+        """Send an `Error` of update `u` (bounded: a dead sender must not block us); nothing
+        before a plan named the update."""
+        if u.version < 0:  # nobody asked; an Error of no update belongs to none (`belongs`)
+            return
         try:
             self.channel.send(Error(PROTOCOL_VERSION, self.rank, seq, clip(message),
                                     tb or traceback.format_exc(), u.version),

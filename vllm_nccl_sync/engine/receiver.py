@@ -10,9 +10,10 @@ an absolute deadline (`inbox`). With `require_checksums` (the engine's policy, n
 trainer's: `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS`) a bucket that no checksum covers is refused.
 
 A receiver that fails tells the sender at once (`Error`) and joins every collective a `Go` covers;
-the sender then aborts every rank. A worker whose weights may differ from its peers' under the
-stamped version reports `consistent: False` until the next complete update. Several senders: one
-data-plane group each; bucket k comes from its header's `src`.
+the sender then aborts every rank. One that fails before a plan named the update tells nobody:
+nobody asked. A worker whose weights may differ from its peers' under the stamped version
+reports `consistent: False` until the next complete update. Several senders: one data-plane
+group each; bucket k comes from its header's `src`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from vllm_nccl_sync.wire.protocol import (
     Plan,
     Ready,
     Seal,
+    UnreadablePlan,
 )
 
 if TYPE_CHECKING:
@@ -144,7 +146,7 @@ class Receiver:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
         re = Reassembler()
         try:
-            plan = self.inbox.opening(timeout_s or self.cfg.timeout_s)
+            plan = self._opening(u, timeout_s or self.cfg.timeout_s)
             u.mark("plan")
             self._open(plan, u)
             u.mark("ready")
@@ -165,6 +167,16 @@ class Receiver:
         u.committed(self.state)
         return self._summary(u, True, seconds=self.state.last_seconds,
                              load=dict(getattr(loader, "stats", None) or {}))
+
+    def _opening(self, u: Update, seconds: float) -> Plan:
+        """The next update's `Plan`, within `seconds`. A frame that claims to be the Plan of
+        update v but does not decode opened v all the same: v is refused as a whole (raises)."""
+        try:
+            return self.inbox.opening(seconds)
+        except UnreadablePlan as e:
+            u.version = e.version
+            self._refuse(u, f"rank {self.rank} refused update {e.version}: its plan does not "
+                            f"decode ({clip(str(e), 300)})")
 
     def _open(self, plan: Plan, u: Update) -> None:
         """Answer the plan: one `Ready` for every header in it, or a refusal of it as a whole,
@@ -361,7 +373,8 @@ class Receiver:
         refused to join) it is given up: aborted on NCCL, so nothing stays pending.
         """
         clean = isinstance(e, UpdateFailed)
-        if not clean and not u.told:  # tell a sender that may still be waiting
+        # Tell a sender that may still be waiting (`tell` sends nothing before a plan came).
+        if not clean and not u.told:
             self.inbox.tell(u, u.seq, f"rank {self.rank}: {clip(str(e))}")
         if not u.in_step:
             self._broken = self._broken or f"update {u.version} died mid-way: {clip(str(e))}"
