@@ -659,8 +659,10 @@ SCENARIOS = {  # name: (weight, expected error pattern; None: harmless, the upda
     "header_other_version": (2, rf"{VIOLATION} Go|{REFUSED_GO}header of update"),
     "digest_no_checksum": (2, r"Digest for bucket \d+ carries no checksum, and this receiver "
                               r"requires one"),
-    "digest_bad_checksum": (2, r"bucket \d+ arrived corrupted or short \(checksum"),
-    "seal_bad_checksum": (2, r"bucket \d+ arrived corrupted \(checksum 0x[0-9a-f]+ != sender's"),
+    "digest_bad_checksum": (2, r"bucket \d+ arrived corrupted or short: its checksum does not "
+                              r"match the sender's"),
+    "seal_bad_checksum": (2, r"bucket \d+ arrived corrupted: its checksum does not match the "
+                            r"sender's"),
     "seal_no_checksum": (1, r"no checksum for bucket \d+ in the seal, and this receiver requires"),
     "seal_wrong_count": (2, r"sealed update \d+ with \d+ buckets / \d+ checksums, \d+ arrived"),
     "commit_wrong": (2, r"expected Commit\(1\) of update \d+, got (Commit|Seal|Go)"),

@@ -13,6 +13,8 @@ c) What was received and dropped before the plan is named in the result; a failu
 d) Each tensor is named once per update (plan list, headers, stream headers); the commit round's
    order (`Commit` after this receiver's `Ack`); a plan that does not decode (e.g. a header
    nested in it speaks another protocol) is refused as the update it names.
+e) What a peer is told names the problem, never a checksum the receiver computed of the peer's
+   bytes (the engine's own log has both).
 
 No test waits for time to pass: each observes what happened, and every deadline is a generous
 upper bound whose expiry fails the test.
@@ -20,6 +22,7 @@ upper bound whose expiry fails the test.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -30,6 +33,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from vllm_nccl_sync.engine.dataplane import seal_problem
 from vllm_nccl_sync.engine.loaders import ModuleLoader
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.engine.state import ReceiverState
@@ -455,3 +459,49 @@ def test_a_summary_says_where_the_receiver_spent_the_update(pair):
                            "finished", "acked", "committed"], steps
     assert steps["plan"] == 0 and all(v >= 0 for v in steps.values()), steps
     assert summary["buckets"] >= 1 and summary["seconds"] > 0
+
+# ---------------------------------------------------------------- e) what a peer is told
+
+
+def test_a_garbled_bucket_is_refused_by_name_without_the_receivers_checksum(pair, caplog):
+    """Bucket 0 arrives garbled: the sender hears which bucket and that its checksum does not
+    match, never the checksum the receiver computed of the bytes (no oracle for a forger); the
+    engine's own log has both checksums. Nothing of the update is loaded; the group is kept."""
+    caplog.set_level(logging.WARNING, logger="vllm_nccl_sync")
+    version = 2
+    buckets, headers = pair.buckets(version, weights(1))
+    done = pair.receive()
+    pair.ch.send(1, Plan(P, version, [], buckets=headers))
+    pair.expect(Ready, version)
+    pair.ch.send(1, Go(P, version, len(headers) - 1))
+    wire = pack(buckets[0], pair.buf)
+    theirs = checksum(wire)
+    wire[0] ^= 0xFF
+    mine = checksum(wire)
+    assert mine != theirs
+    pair.tx.broadcast(wire).wait()
+    pair.ch.send(1, Digest(P, version, 0, theirs))
+    err = pair.expect(Error, version)
+    assert ("rank 1: bucket 0 arrived corrupted or short: its checksum does not match the "
+            "sender's; not loaded") in err.message, err
+    assert not re.search(r"0x[0-9a-f]+", err.message) and str(mine) not in err.message, err
+    pair.bucket(version, 1, buckets[1])  # the Go covered it: joined, not loaded
+    pair.ch.send(1, Abort(P, version, len(headers), "a receiver refused bucket 0"))
+    summary, _ = done.result(BOUND)
+    assert not summary["ok"] and "bucket 0 arrived corrupted" in summary["error"], summary
+    assert not pair.rx.broken
+    assert all(torch.equal(p, weights(0)[n]) for n, p in pair.model.named_parameters())
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(f"{mine:#x}" in m and f"{theirs:#x}" in m for m in logged), logged
+
+
+def test_a_seal_that_disagrees_names_the_bucket_without_the_receivers_checksum(caplog):
+    """The same rule where checksums come in the Seal (NCCL, ipc): the refusal names the bucket
+    and the mismatch; the receiver's checksum goes to its own log only."""
+    caplog.set_level(logging.WARNING, logger="vllm_nccl_sync")
+    mine, theirs = 0xABCDEF12345, 0x1234567
+    problem = seal_problem(1, 4, Seal(P, 4, 2, [7, theirs]), [7, mine], True)
+    assert problem == ("rank 1: bucket 1 arrived corrupted: its checksum does not match the "
+                       "sender's"), problem
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(f"{mine:#x}" in m and f"{theirs:#x}" in m for m in logged), logged

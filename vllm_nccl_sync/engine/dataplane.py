@@ -22,6 +22,7 @@ gets its communicator aborted (`Transport.armed`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -322,15 +323,27 @@ class _Mapped:
         return True
 
 
+# Texts told to the sender name the problem, never a checksum this receiver computed of the
+# sender's bytes: a forger must not learn what to send. Both checksums go to the engine's log.
+_log = logging.getLogger(__name__)
+
+
 def digest_problem(rank: int, seq: int, got: int, theirs: int, require: bool) -> str:
     """Why bucket `seq` (checksum `got`) must not be loaded given the sender's `Digest`."""
     if not theirs and require:
         return (f"rank {rank}: Digest for bucket {seq} carries no checksum, and this receiver "
                 "requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not loaded")
     if theirs and got != theirs:
-        return (f"rank {rank}: bucket {seq} arrived corrupted or short (checksum {got:#x} != "
-                f"sender's {theirs:#x}); not loaded")
+        _mismatch(rank, seq, got, theirs)
+        return (f"rank {rank}: bucket {seq} arrived corrupted or short: its checksum does not "
+                "match the sender's; not loaded")
     return ""
+
+
+def _mismatch(rank: int, seq: int, mine: int, theirs: int) -> None:
+    """Log both checksums of a bucket that arrived other than sent (the engine's own record)."""
+    _log.warning("rank %d: bucket %d arrived other than sent: checksum %#x, the sender's %#x",
+                 rank, seq, mine, theirs)
 
 
 def seal_problem(rank: int, version: int, seal: Seal, got: list[int | None],
@@ -348,6 +361,7 @@ def seal_problem(rank: int, version: int, seal: Seal, got: list[int | None],
             return (f"rank {rank}: no checksum for bucket {k} in the seal, and this receiver "
                     "requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS)")
         if mine & _MASK != theirs:
-            return (f"rank {rank}: bucket {k} arrived corrupted (checksum {mine & _MASK:#x} != "
-                    f"sender's {theirs:#x})")
+            _mismatch(rank, k, mine & _MASK, theirs)
+            return (f"rank {rank}: bucket {k} arrived corrupted: its checksum does not match the "
+                    "sender's")
     return ""
