@@ -213,12 +213,12 @@ def forging_receiver(cfg: dict) -> str:
 
     real = ipc.IpcTransport._open
 
-    def forged(self, handle, nbytes, keep):
+    def forged(self, handle, fds, nbytes, keep, sender):
         info = msgspec.msgpack.decode(handle, type=ipc.IpcMemory)
         # past the driver's allocation (the caching allocator's segment may hold more than
         # the export: a claim inside it maps, one beyond it must be refused)
         bigger = msgspec.structs.replace(info, storage_bytes=info.storage_bytes + (1 << 30))
-        return real(self, msgspec.msgpack.encode(bigger), nbytes, keep)
+        return real(self, msgspec.msgpack.encode(bigger), fds, nbytes, keep, sender)
 
     ipc.IpcTransport._open = forged
     torch.cuda.set_device(0)

@@ -293,7 +293,7 @@ def _forging_sender(cfg: dict, case: str) -> list[dict]:
     from vllm_nccl_sync.planes.shm import ShmMemory, ShmTransport
     from vllm_nccl_sync.wire.protocol import Source
 
-    real_export, real_share = ShmTransport.export, ShmTransport._share
+    real_export = ShmTransport.export
     regular = open(__file__, "rb")  # noqa: SIM115 - held open for the handle below
     theirs = new_memory(1 << 20)  # shared memory of another user
     os.fchown(theirs, 65534, 65534)
@@ -315,20 +315,31 @@ def _forging_sender(cfg: dict, case: str) -> list[dict]:
         return at if at is None or case != "past-the-end" else Source(at.segment, at.offset + 8)
 
     assert torch_mp.get_sharing_strategy() == "file_descriptor"
+    try:
+        return _forged_then_honest(cfg, {"export": export, "_share": share})
+    finally:
+        regular.close()
+        os.close(theirs)
+
+
+def _forged_then_honest(cfg: dict, forged: dict) -> list[dict]:
+    """Pushes update 1 with the shm plane's methods replaced by `forged`, then update 2 with
+    the real ones; each push's outcome."""
+    from vllm_nccl_sync.planes.shm import ShmTransport
+
+    real = {name: getattr(ShmTransport, name) for name in forged}
     client = PushClient(SyncConfig(**cfg))
     client.connect()
     out = []
     for v in (1, 2):
-        ShmTransport.export = export if v == 1 else real_export
-        ShmTransport._share = share if v == 1 else real_share
+        for name, fn in forged.items():
+            setattr(ShmTransport, name, fn if v == 1 else real[name])
         try:
             client.push(_shared(v), version=v)
             out.append({"ok": True})
         except Exception as e:  # noqa: BLE001
             out.append({"ok": False, "error": str(e)})
     client.close()
-    regular.close()
-    os.close(theirs)
     return out
 
 
@@ -482,12 +493,11 @@ def _victim(where: str) -> None:
 
 def _foreign_sender(cfg: dict, victim: tuple[int, int], whose: str) -> list[dict]:
     """A trainer running as another user (nobody) whose first update names memory of another
-    process, as the old handle format let it (`whose`: a third user's process, or one of its
-    own user's), with a forged join record claiming that process; its second update is honest
-    (its own model in shared memory)."""
+    process, as the old handle format let it (a pid and a descriptor number in the rendezvous
+    store; `whose`: a third user's process, or one of its own user's); its second update is
+    honest (its own model in shared memory)."""
     import torch.distributed as dist
 
-    from vllm_nccl_sync.planes.shm import ShmTransport
     from vllm_nccl_sync.wire.protocol import Source
 
     os.setgid(NOBODY)
@@ -502,24 +512,13 @@ def _foreign_sender(cfg: dict, victim: tuple[int, int], whose: str) -> list[dict
             os._exit(0)
     else:
         pid, fd = victim
-    real_export = ShmTransport.export
 
     def export(self, t):  # the old format's forged handle, and a plan that names it
         store = dist.PrefixStore("vllm_nccl_sync", self._store)
         store.set("segment/99", msgspec.msgpack.encode({"pid": pid, "fd": fd, "nbytes": 16384}))
         return Source(99, 0)
 
-    client = PushClient(SyncConfig(**cfg))
-    client.connect()
-    out = []
-    for v in (1, 2):
-        ShmTransport.export = export if v == 1 else real_export
-        try:
-            client.push(_shared(v), version=v)
-            out.append({"ok": True})
-        except Exception as e:  # noqa: BLE001
-            out.append({"ok": False, "error": str(e)})
-    client.close()
+    out = _forged_then_honest(cfg, {"export": export})
     if whose == "own-user":
         os.close(w)
     return out
@@ -540,7 +539,8 @@ def test_a_trainer_of_another_user_cannot_make_the_engine_read_other_memory(tmp_
         while not os.path.exists(where):
             assert victim.is_alive(), "the victim process died"
             victim.join(0.05)
-        pid_fd = tuple(map(int, open(where).read().split()))
+        with open(where) as f:
+            pid_fd = tuple(map(int, f.read().split()))
         sent, got = run_procs([(_foreign_sender, (cfg, pid_fd, whose)),
                                (_receiver, (cfg, 2, -1))], 120)
     finally:
@@ -600,7 +600,7 @@ def _rogue(cfg: dict, uid: int, secret: bytes | None) -> str:
     join = msgspec.msgpack.decode(raw[: len(raw) - (32 if cfg.get("secret") else 0)], type=Join)
     try:
         link = Link(join, 1, secret, 30.0)
-        handle, fds = link.group_memory()
+        _, fds = link.group_memory()
     except (ValueError, OSError) as e:
         return f"refused: {e}"
     return f"got the group's memory ({len(fds)} descriptors)"
