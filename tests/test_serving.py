@@ -9,6 +9,7 @@ reports the version it holds.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import urllib.request
 from concurrent.futures import Future
@@ -17,9 +18,11 @@ import pytest
 
 from tests.procs import wait_until
 from vllm_nccl_sync.glue.engines import AsyncLLMHandle, HTTPHandle
+from vllm_nccl_sync.outcomes import label_version, version_label
 from vllm_nccl_sync.testing import (
     PROMPTS,
     build_model,
+    carried,
     engine_kwargs,
     hf_greedy,
     make_model,
@@ -88,9 +91,14 @@ def _submit(engine, loop, prompt: list[int], max_tokens: int, rid: str,
             last = out
             if started is not None and out.outputs[0].token_ids:
                 started.set()
-        return list(last.outputs[0].token_ids), last.outputs[0].finish_reason
+        return list(last.outputs[0].token_ids), last.outputs[0].finish_reason, _spans(last)
 
     return asyncio.run_coroutine_threadsafe(run(), loop)
+
+
+def _spans(out) -> list[tuple[str, int, int]]:
+    """A finished request's weight-version spans, as vLLM reports them."""
+    return [(s.version, s.start, s.end) for s in out.outputs[0].weight_versions or []]
 
 
 def _submit_added(engine, loop, prompt: list[int], max_tokens: int,
@@ -109,7 +117,7 @@ def _submit_added(engine, loop, prompt: list[int], max_tokens: int,
         while True:
             out = q.get_nowait() or await q.get()
             if out.finished:
-                return list(out.outputs[0].token_ids), out.outputs[0].finish_reason
+                return list(out.outputs[0].token_ids), out.outputs[0].finish_reason, _spans(out)
 
     return added, asyncio.run_coroutine_threadsafe(run(), loop)
 
@@ -118,9 +126,27 @@ def _on_loop(loop, coro, timeout: float = DEADLINE_S):
     return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
-def _greedy_async(engine, loop, tag: str) -> list[list[int]]:
+def _greedy_async(engine, loop, tag: str, label: str | None = None) -> list[list[int]]:
+    """Greedy tokens of every prompt; with `label`, each request's tokens are one span of it."""
     futs = [_submit(engine, loop, p, MAX_TOKENS, f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
-    return [f.result(120)[0] for f in futs]
+    done = [f.result(120) for f in futs]
+    if label is not None:
+        assert [spans for _, _, spans in done] == [[(label, 0, MAX_TOKENS)]] * len(PROMPTS)
+    return [toks for toks, _, _ in done]
+
+
+def _label(engine, loop) -> str:
+    return _on_loop(loop, engine.get_weight_version())
+
+
+def _split(toks: list[int], spans: list[tuple[str, int, int]], old: str,
+           new: str) -> int:
+    """Where a request's tokens go from weights `old` to `new` (len(toks): never): its spans are
+    contiguous over all its tokens, and at most one boundary, from `old` to `new`."""
+    assert spans and spans[0][1] == 0 and spans[-1][2] == len(toks), spans
+    assert all(a[2] == b[1] for a, b in itertools.pairwise(spans)), spans
+    assert [v for v, _, _ in spans] in ([old], [old, new], [new]), (spans, old, new)
+    return next((s for v, s, _ in spans if v == new), len(toks))
 
 
 @pytest.mark.parametrize("mode, version", [("wait", 2), ("keep", 3), ("abort", 4)])
@@ -145,24 +171,53 @@ def test_async_llm_update_while_serving(async_engine, mode, version):
         except BaseException:
             _on_loop(loop, engine.resume_generation())
             raise
+    before = _label(engine, loop)
     model = build_model("qwen2", seed=version)
     result = sync.update(model.state_dict(), version=version, pause_mode=mode)
     assert result.version == version and len(result.acks) == 1
+    [live] = result.live  # set in the turn that received it, before the engine resumed
+    assert (live["version"], live["label"]) == (version, str(version)), live
     finished = [f.result(180) for f in inflight]
-    reasons = [r for _, r in finished]
+    reasons = [r for _, r, _ in finished]
     if mode == "abort":
-        assert held.result(180) == ([], "abort")  # held by the engine at the pause: aborted
+        toks, reason, spans = held.result(180)  # held by the engine at the pause: aborted
+        assert (toks, reason, spans) == ([], "abort", [])
         # Each running request had either completed before the freeze or was aborted unfinished.
-        for toks, reason in finished:
+        for toks, reason, _ in finished:
             assert (reason, len(toks) == LONG) in (("length", True), ("abort", False)), (
                 reason, len(toks))
     else:
         # Nothing lost, whether a request was still running at the pause or had just finished.
         assert reasons == ["length"] * len(PROMPTS), reasons
-        assert all(len(toks) == LONG for toks, _ in finished)
-    assert _greedy_async(engine, loop, f"check-{mode}") == hf_greedy(model, PROMPTS, MAX_TOKENS)
+        assert all(len(toks) == LONG for toks, _, _ in finished)
+    _check_spans(mode, finished, before, version)
+    assert _label(engine, loop) == str(version)
+    assert _greedy_async(engine, loop, f"check-{mode}", str(version)) == hf_greedy(
+        model, PROMPTS, MAX_TOKENS)
     [[state]] = sync.state()
     assert state["version"] == version and state["consistent"]
+
+
+def _check_spans(mode: str, finished: list, before: str, version: int) -> None:
+    """The in-flight requests' spans: `wait` finishes them on the old weights; `abort`'s end at
+    their last token, on the old weights; under `keep` a request paused mid-way is labelled old
+    up to the swap and new after it. Its tokens say the same: the old model's greedy tokens just
+    before the boundary (continuing the engine's own tokens), the new model's from it."""
+    old_version = label_version(before)
+    old = build_model("qwen2", seed=old_version if old_version >= 0 else 1)
+    new = build_model("qwen2", seed=version)
+    n = MAX_TOKENS
+    for prompt, (toks, _, spans) in zip(PROMPTS, finished, strict=True):
+        b = _split(toks, spans, before, str(version))
+        if mode != "keep":
+            assert b == len(toks), spans  # nothing sampled with the new weights
+        if b >= n:
+            assert toks[b - n:b] == hf_greedy(old, [prompt + toks[:b - n]], n)[0], (b, spans)
+        if b + n <= len(toks):
+            after = toks[b:b + n]
+            assert after in (carried(old, new, prompt, toks[:b], n),  # its KV kept
+                             hf_greedy(new, [prompt + toks[:b]], n)[0]), (b, spans)  # recomputed
+            assert after != hf_greedy(old, [prompt + toks[:b]], n)[0], (b, spans)
 
 
 def test_async_llm_pause_goes_straight_to_the_engine_core(async_engine):
@@ -197,13 +252,16 @@ def test_async_llm_refuses_going_back_unless_forced(async_engine):
 
     engine, loop, sync = async_engine
     [[held]] = sync.state()
+    label = _label(engine, loop)
+    assert label == version_label(held["version"])  # one value: the engine's label and ours
     old = build_model("qwen2", seed=1)
     with pytest.raises(PushError, match="refused update"):
         sync.update(old.state_dict(), version=held["version"] - 1)
     [[state]] = sync.state()
     assert state["version"] == held["version"] and state["consistent"]
+    assert _label(engine, loop) == label  # a refused update changes no label
     sync.update(old.state_dict(), version=1, force=True)
-    assert _greedy_async(engine, loop, "forced") == hf_greedy(old, PROMPTS, MAX_TOKENS)
+    assert _greedy_async(engine, loop, "forced", "1") == hf_greedy(old, PROMPTS, MAX_TOKENS)
     [[state]] = sync.state()
     assert state["version"] == 1
 
@@ -214,7 +272,8 @@ def test_async_llm_refuses_going_back_unless_forced(async_engine):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("served")), "qwen2", seed=1)
-    proc, url = start_server(path, str(tmp_path_factory.mktemp("logs") / "server.log"))
+    proc, url = start_server(path, str(tmp_path_factory.mktemp("logs") / "server.log"),
+                             args=["--enable-scale-out"])  # vLLM's /inference/v1/generate
     sync = WeightSync([HTTPHandle(url)], timeout_s=60)
     sync.connect()
     yield url, path, sync
@@ -231,6 +290,25 @@ def _complete(url: str, path: str, prompt: list[int], max_tokens: int) -> dict:
                                  headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=180) as r:
         return json.loads(r.read())["choices"][0]
+
+
+def _generate(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """vLLM's token-in/token-out route (`--enable-scale-out`): tokens and weight-version spans."""
+    import json
+
+    body = {"token_ids": prompt, "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens,
+                                                     "ignore_eos": True}}
+    req = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=180) as r:
+        return json.loads(r.read())["choices"][0]
+
+
+def _weight_info(url: str) -> str:
+    import json
+
+    with urllib.request.urlopen(url + "/weight_info", timeout=60) as r:
+        return json.loads(r.read())["weight_version"]
 
 
 def _complete_streamed(url: str, path: str, prompt: list[int], max_tokens: int,
@@ -287,3 +365,10 @@ def test_served_update_with_requests_in_flight(server, mode, version):
     assert after == hf_greedy(model, PROMPTS, MAX_TOKENS)
     [[state]] = sync.state()
     assert state["version"] == version
+    # The server's label: the same value, on /weight_info and on every output's spans.
+    assert [(x["version"], x["label"]) for x in result.live] == [(version, str(version))]
+    assert _weight_info(url) == str(version)
+    generated = [_generate(url, p, MAX_TOKENS) for p in PROMPTS]
+    assert [g["token_ids"] for g in generated] == after
+    assert all(g["weight_versions"] == [{"version": str(version), "start": 0, "end": MAX_TOKENS}]
+               for g in generated), generated

@@ -21,13 +21,19 @@ import signal
 import threading
 
 import pytest
-import torch
 
 from tests.procs import wait_until
 from vllm_nccl_sync import PushError
 from vllm_nccl_sync.glue.engines import AsyncLLMHandle
 from vllm_nccl_sync.outcomes import CARRY_RPC
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.testing import (
+    PROMPTS,
+    build_model,
+    carried,
+    engine_kwargs,
+    hf_greedy,
+    make_model,
+)
 from vllm_nccl_sync.trainer.sync import WeightSync
 
 pytestmark = pytest.mark.vllm
@@ -118,8 +124,11 @@ def engine(tmp_path_factory):
 
 
 def greedy(llm, loop, tag: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    """Greedy tokens of `prompts`; every request's tokens are one span of the engine's label."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    now = label(llm, loop)
 
     async def one(i: int, p: list[int]) -> list[int]:
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -127,12 +136,19 @@ def greedy(llm, loop, tag: str, prompts: list[list[int]] = PROMPTS) -> list[list
         async for out in llm.generate(TokensPrompt(prompt_token_ids=p), sp,
                                       request_id=f"{tag}-{i}"):
             last = out
+        spans = [(x.version, x.start, x.end) for x in last.outputs[0].weight_versions]
+        assert spans == [(now, 0, MAX_TOKENS)], (spans, now)
         return list(last.outputs[0].token_ids)
 
     async def every() -> list[list[int]]:
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     return asyncio.run_coroutine_threadsafe(every(), loop).result(DEADLINE_S)
+
+
+def label(llm, loop) -> str:
+    """vLLM's weight-version label of the engine."""
+    return asyncio.run_coroutine_threadsafe(llm.get_weight_version(), loop).result(DEADLINE_S)
 
 
 def states(sync: WeightSync) -> list[tuple[int, bool, str]]:
@@ -178,6 +194,8 @@ def test_tokens_keep_coming_while_the_update_is_received(engine):
     assert [s["load"]["replayed"] > 0 for s in swapped.answers] == [True, True], swapped.answers
     stream.moved(1, "tokens after the swap")
     assert set(stream.stop()) <= {"length"}  # `keep`: no request lost
+    assert [(x["version"], x["label"]) for x in result.live] == [(2, "2")]
+    assert label(llm, loop) == "2"
     assert greedy(llm, loop, "after-2") == hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert states(sync) == [(2, True, "")] * 2
 
@@ -192,7 +210,7 @@ def test_both_workers_swap_or_neither(engine):
     try:
         with pytest.raises(PushError, match="injected failure"):
             sync.update(build_model("qwen2", seed=3).state_dict(), 3, beside=True)
-        assert states(sync) == [(2, True, "")] * 2
+        assert states(sync) == [(2, True, "")] * 2 and label(llm, loop) == "2"
         assert greedy(llm, loop, "after-verify") == before == hf_greedy(held, PROMPTS, MAX_TOKENS)
         # Worker 2 fails half-way through its swap: both report inconsistent.
         asyncio.run_coroutine_threadsafe(
@@ -200,12 +218,13 @@ def test_both_workers_swap_or_neither(engine):
         with pytest.raises(PushError, match="injected failure"):
             sync.update(build_model("qwen2", seed=4).state_dict(), 4, beside=True)
         assert [c for _, c, _ in states(sync)] == [False, False]
+        assert label(llm, loop) == "2"  # never a version a worker does not hold
     finally:
         asyncio.run_coroutine_threadsafe(
             llm.collective_rpc("nccl_test_arm", args=("",)), loop).result(DEADLINE_S)
     model = build_model("qwen2", seed=5)  # the next complete update heals both
     sync.update(model.state_dict(), 5, beside=True, pause_mode="wait")
-    assert states(sync) == [(5, True, "")] * 2
+    assert states(sync) == [(5, True, "")] * 2 and label(llm, loop) == "5"
     assert greedy(llm, loop, "after-5") == hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
@@ -225,28 +244,13 @@ def test_carry_swaps_with_tokens_streaming_and_no_request_lost(engine):
     result = sync.update(model.state_dict(), 6, beside=True, pause_mode="carry",
                          progress=progress)
     assert result.version == 6 and during and during[0][0][2] == "receiving"
+    assert [(x["version"], x["label"]) for x in result.live] == [(6, "6")]
     assert [s["ok"] for s in seen.answers] == [True, True], seen.answers
     assert all(s["carry"]["dropped"] for s in seen.answers)  # taken by the engine core
     stream.moved(3, "tokens after the swap")
     assert set(stream.stop()) <= {"length"}
     assert greedy(llm, loop, "after-6") == hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert states(sync) == [(6, True, "")] * 2
-
-
-@torch.no_grad()
-def carried(old, new, prompt: list[int], before: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens of `new` continuing `prompt + before` on the KV cache `old`
-    computed for all but the last of those tokens: what a request carried across the swap after
-    `len(before)` tokens computes next (`n` tokens)."""
-    ids = torch.tensor([prompt + before])
-    cache = old(ids[:, :-1], use_cache=True).past_key_values
-    nxt, out = ids[:, -1:], []
-    for _ in range(n):
-        y = new(nxt, past_key_values=cache, use_cache=True)
-        cache = y.past_key_values
-        nxt = y.logits[:, -1:].argmax(-1)
-        out.append(int(nxt))
-    return out
 
 
 def test_carry_keeps_a_running_request_on_its_kv_and_no_later_request_sees_old_kv(engine):
@@ -263,12 +267,14 @@ def test_carry_keeps_a_running_request_on_its_kv_and_no_later_request_sees_old_k
     assert greedy(llm, loop, "cache-long", [LONG]) == hf_greedy(old, [LONG], MAX_TOKENS)
     # A long request: it hits LONG's cached block, and fills its second block after the swap.
     tokens: list[int] = []
+    spans: list[tuple[str, int, int]] = []
 
     async def long_request() -> str:
         sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         async for out in llm.generate(TokensPrompt(prompt_token_ids=LONG), sp,
                                       request_id="carried"):
             tokens[:] = out.outputs[0].token_ids
+        spans[:] = [(x.version, x.start, x.end) for x in out.outputs[0].weight_versions]
         return out.outputs[0].finish_reason
 
     done = asyncio.run_coroutine_threadsafe(long_request(), loop)
@@ -289,6 +295,9 @@ def test_carry_keeps_a_running_request_on_its_kv_and_no_later_request_sees_old_k
     fits = [k for k in range(at, k_max + 1)
             if tokens[k:k + MAX_TOKENS] == carried(old, new, LONG, tokens[:k], MAX_TOKENS)]
     assert fits, (at, k_max, tokens[:k_max + MAX_TOKENS])
+    # Its labels say exactly that: version 7 up to the swap, 8 from the first token after it.
+    [(v7, _, b), (v8, b8, end)] = spans
+    assert (v7, v8, b8, end) == ("7", "8", b, 200) and b in fits, (spans, at, fits)
     assert tokens[fits[0]:fits[0] + MAX_TOKENS] != hf_greedy(
         new, [LONG + tokens[:fits[0]]], MAX_TOKENS)[0]  # not recomputed: carried KV differs
     # After the swap: LONG's cached block was dropped, and the carried request's second block
@@ -349,6 +358,7 @@ def test_a_trainer_killed_mid_receive_leaves_the_served_weights(engine):
         summaries = rpc("nccl_sync_swap", 30.0)
         assert not any(s["ok"] for s in summaries), summaries
         assert states(sync) == [(held, True, "")] * 2
+        assert label(llm, loop) == str(held)  # a failed update changes no label
         stream.moved(1, "tokens after the failed update")
         assert set(stream.stop()) <= {"length"}
         stream = None

@@ -118,6 +118,35 @@ CARRY_RPC = "nccl_sync_swap_carry"
 engine core takes it (`patches.vllm_swap_turn`); a worker it reaches answers, without loading,
 a summary whose `carry` is `CARRY_UNSUPPORTED`."""
 CARRY_UNSUPPORTED = "unsupported"
+ENDS_UPDATE = ("nccl_sync_receive", "nccl_sync_swap", CARRY_RPC)
+"""The worker RPCs after which an update is live on the engine: its label is set in their turn."""
+
+
+def version_label(version: int) -> str:
+    """vLLM's weight-version label of this project's `version`: its decimal digits ("7"). The
+    one mapping, both ways (`label_version`)."""
+    return str(version)
+
+
+def label_version(label: str) -> int:
+    """The version vLLM's label names (`version_label`'s inverse); -1 for any other label, such
+    as vLLM's "default" (the weights the engine started with)."""
+    return int(label) if label.isdigit() else -1
+
+
+def committed_version(results: list[Any]) -> int | None:
+    """The base weights' version that every worker's summary in `results` (an `ENDS_UPDATE`
+    call's answers) reports committed: ok, consistent, one version. None where any did not,
+    where they disagree, or for a LoRA adapter's update (the base weights' label stays)."""
+    if not results or not all(isinstance(r, dict) for r in results):
+        return None
+    if not all(r.get("ok") and r.get("consistent") and "adapter" not in r for r in results):
+        return None
+    versions = {r.get("version") for r in results}
+    if len(versions) != 1:
+        return None
+    v = versions.pop()
+    return v if isinstance(v, int) and v >= 0 else None
 
 
 @dataclass(slots=True)

@@ -258,6 +258,22 @@ def hf_greedy(
     return out
 
 
+@torch.no_grad()
+def carried(old, new, prompt: list[int], before: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens of `new` continuing `prompt + before` on the KV cache `old`
+    computed for all but the last of those tokens: what a request carried across the swap after
+    `len(before)` tokens computes next (`n` tokens)."""
+    ids = torch.tensor([prompt + before])
+    cache = old(ids[:, :-1], use_cache=True).past_key_values
+    nxt, out = ids[:, -1:], []
+    for _ in range(n):
+        y = new(nxt, past_key_values=cache, use_cache=True)
+        cache = y.past_key_values
+        nxt = y.logits[:, -1:].argmax(-1)
+        out.append(int(nxt))
+    return out
+
+
 def vllm_greedy(llm: Any, prompts_token_ids: list[list[int]], max_new_tokens: int
                 ) -> list[list[int]]:
     """Greedy decode with an offline `vllm.LLM`; exactly `max_new_tokens` per prompt, as

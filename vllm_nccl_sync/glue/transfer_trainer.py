@@ -27,7 +27,7 @@ from vllm_nccl_sync.glue.transfer_clients import (  # noqa: E402
     as_client,
     error_text,
 )
-from vllm_nccl_sync.outcomes import SyncError, clip  # noqa: E402
+from vllm_nccl_sync.outcomes import SyncError, clip, label_version, version_label  # noqa: E402
 from vllm_nccl_sync.trainer.adapters import adapter_update  # noqa: E402
 from vllm_nccl_sync.trainer.beside import beside  # noqa: E402
 from vllm_nccl_sync.trainer.push import PushClient, PushResult  # noqa: E402
@@ -169,7 +169,7 @@ def _held_version(client: Any, timeout_s: float) -> tuple[int, str]:
         else:
             return 0, DEFAULT_LABEL
         label = DEFAULT_LABEL if label is None else str(label)
-        return (max(int(label), 0) if label.isdigit() else 0), label
+        return max(label_version(label), 0), label
     except Exception:  # noqa: BLE001 - no label, or not ours: start from 1
         return 0, DEFAULT_LABEL
 
@@ -382,7 +382,7 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         no label)."""
         try:
             if SURFACE.weight_version and version is not None:
-                self.client.finish_weight_update(weight_version=str(version))
+                self.client.finish_weight_update(weight_version=version_label(version))
             else:
                 self.client.finish_weight_update()
         except Exception as e:

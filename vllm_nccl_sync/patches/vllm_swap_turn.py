@@ -1,4 +1,4 @@
-"""Swap an update received beside serving and drop the prefix cache in one turn of the engine core.
+"""The engine core's turn that ends an update: the swap, the prefix cache, and the version label.
 
 Upstream: `EngineCore.collective_rpc` (`vllm/v1/engine/core.py`) runs a worker RPC between two
 scheduler steps, so no forward pass runs while it does. `Scheduler.reset_prefix_cache`
@@ -23,8 +23,23 @@ only KV of the new weights. Without this patch (another vLLM version, or the plu
 the engine-core process) the worker answers that RPC itself, refusing without loading
 (`CARRY_UNSUPPORTED`), and the trainer swaps that engine under a `keep` pause instead.
 
+The label: vLLM stamps every step's outputs with the engine core's weight version
+(`EngineCore._attach_weight_version`), and the output processor turns those stamps into each
+request's `CompletionOutput.weight_versions` spans. An update is live on an engine once the RPC
+that ends it returns (`outcomes.ENDS_UPDATE`: a receive, a swap, a carry swap), and that RPC runs
+between two scheduler steps; so when every worker reports the update committed (ok, consistent,
+one version: `outcomes.committed_version`), this patch sets the label
+(`EngineCore.set_weight_version(outcomes.version_label(v))`) in that same turn, before the next
+step: the first token sampled with the new weights is the first of the new span, under every
+pause mode. A refused, aborted or failed update, an adapter's update, or a worker left
+inconsistent changes no label (it stays the last good version's; `nccl_sync_state()` says
+`consistent: False`). Each worker's answer then carries `live`: the version, its label and the
+wall time (`time.time()`) of the turn it went live in. vLLM without labels (0.26): `live` carries
+the version and time only.
+
 Applied from the `vllm.general_plugins` entry point `nccl_sync_carry`, which vLLM loads in the
-engine-core process (`EngineCore.__init__`); other versions: not applied, logged.
+engine-core process (`EngineCore.__init__`); other versions: not applied, logged (no carry, and
+no label set by an update: vLLM's label stays "default").
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ import sys
 import time
 from typing import Any
 
-from vllm_nccl_sync.outcomes import CARRY_RPC
+from vllm_nccl_sync.outcomes import CARRY_RPC, ENDS_UPDATE, committed_version, version_label
 from vllm_nccl_sync.patches import plugin
 
 log = logging.getLogger(__name__)
@@ -90,24 +105,47 @@ class _Hashed(list):
         return (list.__getitem__(self, i) for i in self._ids)
 
 
-def _swap_in_turn(orig: Any) -> Any:
+def _carry(core: Any, out: list[Any]) -> None:
+    """After the swap of a carry: drop the prefix cache, running requests kept (see the module);
+    each worker's answer says how (`carry`)."""
+    t0 = time.perf_counter()
+    try:
+        mark = {"dropped": True, "requests_kept": drop_prefix_cache(core.scheduler)}
+    except Exception as e:  # noqa: BLE001 - vLLM's own reset, running requests preempted
+        log.exception("vllm_nccl_sync: prefix-cache drop failed; preempting instead")
+        core.scheduler.reset_prefix_cache(reset_running_requests=True)
+        mark = {"dropped": True, "requests_kept": 0, "fallback": repr(e)[:300]}
+    mark["drop_s"] = time.perf_counter() - t0
+    for r in out:
+        if isinstance(r, dict):
+            r["carry"] = mark
+
+
+def label(core: Any, out: list[Any]) -> None:
+    """Make the version every worker committed in this turn the engine's weight label (where
+    this vLLM has labels); each worker's answer says so (`live`). Nothing if any did not."""
+    v = committed_version(out)
+    if v is None:
+        return
+    live = {"version": v, "label": "", "time": time.time()}
+    setter = getattr(core, "set_weight_version", None)
+    if callable(setter):
+        live["label"] = version_label(v)
+        setter(live["label"])
+    for r in out:
+        r["live"] = live
+
+
+def _update_in_turn(orig: Any) -> Any:
     @functools.wraps(orig)
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        if method != CARRY_RPC:
+        if method not in ENDS_UPDATE:
             return orig(self, method, timeout, args, kwargs)
-        out = orig(self, SWAP, timeout, args, kwargs)
-        t0 = time.perf_counter()
-        try:
-            mark = {"dropped": True, "requests_kept": drop_prefix_cache(self.scheduler)}
-        except Exception as e:  # noqa: BLE001 - vLLM's own reset, running requests preempted
-            log.exception("vllm_nccl_sync: prefix-cache drop failed; preempting instead")
-            self.scheduler.reset_prefix_cache(reset_running_requests=True)
-            mark = {"dropped": True, "requests_kept": 0, "fallback": repr(e)[:300]}
-        mark["drop_s"] = time.perf_counter() - t0
-        for r in out:
-            if isinstance(r, dict):
-                r["carry"] = mark
+        out = orig(self, SWAP if method == CARRY_RPC else method, timeout, args, kwargs)
+        if method == CARRY_RPC:
+            _carry(self, out)
+        label(self, out)
         return out
 
     setattr(collective_rpc, _MARK, True)
@@ -121,6 +159,7 @@ def install() -> None:
         from vllm.v1.engine.core import EngineCore
 
         if not getattr(EngineCore.collective_rpc, _MARK, False):
-            EngineCore.collective_rpc = _swap_in_turn(EngineCore.collective_rpc)
+            EngineCore.collective_rpc = _update_in_turn(EngineCore.collective_rpc)
 
-    plugin(apply, SUPPORTED, "pause_mode='carry' swaps under a keep pause")
+    plugin(apply, SUPPORTED, "pause_mode='carry' swaps under a keep pause, and no update sets "
+                             "vLLM's weight-version label")

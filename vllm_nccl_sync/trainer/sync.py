@@ -79,13 +79,16 @@ def settle(version: int, pushed: Outcome, answers: list[Outcome],
     reports failed although the push succeeded. An engine whose call failed counts as one
     failed report per worker."""
     summaries: list[WorkerSummary] = []
+    live: list[dict[str, Any]] = []
     for i, (e, off, a) in enumerate(zip(engines, offsets, answers, strict=True)):
         if a.ok:
-            summaries += [WorkerSummary.from_dict(s) for s in a.value]
+            mine = [WorkerSummary.from_dict(s) for s in a.value]
+            live.append(next((s.extra["live"] for s in mine if "live" in s.extra), {}))
         else:
             text = clip(f"engine {i}'s receive call failed: {a.error!r}", 500)
-            summaries += [WorkerSummary(ok=False, rank=off + w, error=text)
-                          for w in range(e.workers)]
+            mine = [WorkerSummary(ok=False, rank=off + w, error=text) for w in range(e.workers)]
+            live.append({})
+        summaries += mine
     if isinstance(pushed.error, PushError):
         raise pushed.error.with_summaries(summaries) from pushed.error.__cause__
     if pushed.error is not None:
@@ -95,7 +98,9 @@ def settle(version: int, pushed: Outcome, answers: list[Outcome],
         raise PushError(f"update {version} was committed, but workers report a failure: "
                         + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())),
                         failed, summaries=summaries)
-    return pushed.value
+    result = pushed.value
+    result.live = live
+    return result
 
 
 class WeightSync:

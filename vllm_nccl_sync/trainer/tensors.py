@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,10 @@ class PushResult:
     """Several senders, on the coordinator: the bytes each sender rank sent (`bytes`: its own)."""
     cast: dict[str, str] = field(default_factory=dict)
     """Dtypes this sender cast on the way (`{"bfloat16": "float32"}`: from -> to)."""
+    live: list[dict[str, Any]] = field(default_factory=list)
+    """`WeightSync.update`: per engine, when the update went live there, as its engine core
+    reported it (`patches.vllm_swap_turn`): `version`, vLLM's `label` ("" where this vLLM has
+    none) and `time` (`time.time()` of the engine-core turn); {} where it did not report."""
 
     @property
     def gbps(self) -> float:
