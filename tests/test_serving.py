@@ -217,7 +217,6 @@ def _check_spans(mode: str, finished: list, before: str, version: int) -> None:
             after = toks[b:b + n]
             assert after in (carried(old, new, prompt, toks[:b], n),  # its KV kept
                              hf_greedy(new, [prompt + toks[:b]], n)[0]), (b, spans)  # recomputed
-            assert after != hf_greedy(old, [prompt + toks[:b]], n)[0], (b, spans)
 
 
 def test_async_llm_pause_goes_straight_to_the_engine_core(async_engine):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -98,9 +99,7 @@ def settle(version: int, pushed: Outcome, answers: list[Outcome],
         raise PushError(f"update {version} was committed, but workers report a failure: "
                         + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())),
                         failed, summaries=summaries)
-    result = pushed.value
-    result.live = live
-    return result
+    return replace(pushed.value, live=live)
 
 
 class WeightSync:
