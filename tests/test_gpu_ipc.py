@@ -246,13 +246,40 @@ def test_a_handle_claiming_more_than_its_allocation_is_refused_before_use():
     assert "its allocation maps" in why and sent != "connected"
 
 
+def _foreign_memory(q, done) -> None:
+    """Another process: exports CUDA memory of its own and says its handle, then waits."""
+    import msgspec
+
+    from vllm_nccl_sync.planes import ipc
+
+    torch.cuda.set_device(0)
+    held = torch.full((1 << 24,), 7, dtype=torch.uint8, device="cuda")
+    q.put(msgspec.msgpack.encode(ipc.share(held.untyped_storage(), torch.device("cuda", 0))))
+    done.wait(300)
+
+
 def in_place_trainer(cfg: dict, seeds: list[int], forge: str = "") -> list[dict]:
     """Pushes each seed's tensors as a state dict from memory allocated the default way (so it
     can be exported): its large tensors are read where they lie. `forge`: headers name a range
-    past the segment ("past") or a segment never exported ("unknown")."""
+    past the segment ("past") or a segment never exported ("unknown"), or every storage is
+    announced with the handle of another process's CUDA memory ("foreign")."""
+    import multiprocessing as mp
+
     from vllm_nccl_sync.planes import ipc
     from vllm_nccl_sync.wire.protocol import Source
 
+    if forge == "foreign":
+        ctx = mp.get_context("spawn")
+        q, done = ctx.Queue(), ctx.Event()
+        helper = ctx.Process(target=_foreign_memory, args=(q, done), daemon=True)
+        helper.start()
+        theirs = q.get(timeout=120)
+        ipc.IpcTransport._share = lambda self, storage: (theirs, [])
+        try:
+            return push_each(cfg, seeds, state_dict=True)
+        finally:
+            done.set()
+            helper.join(60)
     if forge:
         real = ipc.IpcTransport.export
 
@@ -301,8 +328,11 @@ def trainer_dict_expandable(cfg: dict) -> dict:
     return {"ok": True, "in_place": held}
 
 
-@pytest.mark.parametrize("forge,why", [("past", "lie past its"),
-                                       ("unknown", "never exported by the sender")])
+@pytest.mark.parametrize("forge,why", [
+    ("past", "lie past its"),
+    ("unknown", "never exported by the sender"),
+    ("foreign", "reference counter is not one the sender's process made"),
+])
 def test_a_header_naming_memory_outside_what_was_exported_is_refused_before_any_load(forge, why):
     cfg = _cfg()
     sent, got = run_procs([(in_place_trainer, (cfg, [1, 2], forge)),

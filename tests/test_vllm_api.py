@@ -13,6 +13,7 @@ API, with this project's message, and the engine keeps serving what it had.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -379,3 +380,35 @@ def test_bf16_trainer_into_an_fp32_engine_through_vllms_api(monkeypatch):
     finally:
         engine.shutdown()
         client.receiver.close()
+
+
+_ACTOR = """
+import pickle, sys
+import torch
+info = pickle.loads(sys.stdin.buffer.read())  # imports the init info's module, nothing else
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+engine = WeightTransferTrainerFactory.trainer_init(
+    init_info=info, client=None, source=ModuleSource(torch.nn.Linear(2, 2)))
+print(type(engine).__name__, sorted(m for m in sys.modules if m.startswith("vllm_nccl_sync.glue")))
+"""
+
+
+def test_a_process_that_only_unpickles_the_init_info_finds_the_backend():
+    """vLLM's `examples/rl/rlhf_nccl.py`: the driver builds the init info, a Ray actor unpickles
+    it (importing only its class's module, with no vLLM plugin loaded) and asks vLLM's trainer
+    factory for the engine: the backend is found."""
+    import pickle
+    import subprocess
+    import sys
+
+    from vllm_nccl_sync.glue.transfer_trainer import NcclSyncTrainerInitInfo
+
+    info = NcclSyncTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2,
+                                   rank=1)  # not the sender: nothing to join
+    out = subprocess.run([sys.executable, "-c", _ACTOR], input=pickle.dumps(info),
+                         capture_output=True, timeout=300, check=False,
+                         env={**os.environ, "VLLM_PLUGINS": ""})
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    name, _, modules = out.stdout.decode().strip().splitlines()[-1].partition(" ")
+    assert name == "NcclSyncTrainerEngine"
+    assert "vllm_nccl_sync.glue.weight_transfer" not in modules  # found without it

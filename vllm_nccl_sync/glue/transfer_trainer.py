@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-from vllm_nccl_sync.patches.vllm_weight_transfer import BACKEND, check_version
+from vllm_nccl_sync.patches.vllm_weight_transfer import BACKEND, check_version, register
 
 SURFACE = check_version()  # raises UnsupportedVllm, naming the supported versions, elsewhere
 
@@ -397,3 +397,8 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         if self.push_client is not None:
             push, self.push_client = self.push_client, None
             push.close()
+
+
+# A process that only unpickles the init info (a Ray actor handed it by the driver) imports this
+# module alone, and vLLM's plugins never ran there: the backend must be known all the same.
+register()
