@@ -154,8 +154,10 @@ class IpcTransport(SharedTransport):
 
     digest_per_bucket = False
     peer_harm = (
-        "a peer cannot crash this process through the plane: a handle to another GPU, or one "
-        "claiming more memory than its allocation holds, is refused before it is mapped; a "
+        "a peer cannot crash this process through the plane: handles come only from the sender "
+        "the kernel names on the handoff socket; a handle to another GPU, one claiming more "
+        "memory than its allocation holds, or one whose reference counter was not made in the "
+        "sender's process is refused before it is mapped; a "
         "sender publishing another length than the header's fails the receiver's wait (nothing "
         "loaded, group broken); bytes garbled in the buffer fail the checksum at the Seal; a "
         "receiver that never releases a buffer is lost at the timeout (at once if it exited)")
