@@ -27,6 +27,7 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -168,7 +169,7 @@ class _Socket:
         self.timeout_s = timeout_s
         self.peer = creds(sock)
 
-    def send(self, packet: Packet, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    def send(self, packet: Packet, fds: Sequence[int] = ()) -> None:
         socket.send_fds(self.sock, [msgspec.msgpack.encode(packet)], list(fds))
 
     def recv(self) -> tuple[Packet, list[int]]:
@@ -220,7 +221,6 @@ class Hub:
         fails the checks (user, secret, rank) is closed and does not count. `TimeoutError`
         naming the ranks missing."""
         deadline = time.monotonic() + self.timeout_s
-        me = os.getuid()
         while any(r not in self.links for r in ranks):
             self._listener.settimeout(max(deadline - time.monotonic(), 1e-3))
             try:
@@ -231,25 +231,31 @@ class Hub:
                                    f"{self.timeout_s:.1f} s") from None
             link = _Socket(conn, min(self.timeout_s, max(deadline - time.monotonic(), 1e-3)))
             try:
-                if link.peer.uid not in (me, 0):
-                    raise ValueError(f"uid {link.peer.uid} is neither the sender's nor root")
-                nonce = os.urandom(16)
-                link.send(Challenge(nonce))
-                hello, _ = link.recv()
-                if not isinstance(hello, Hello) or hello.rank not in ranks or hello.rank in self.links:
-                    raise ValueError(f"not the Hello of a rank still to join: {hello!r:.80}")
-                if not mac_matches(self.secret, _HELLO, nonce, _rank(hello.rank), hello.proof):
-                    raise ValueError(f"rank {hello.rank} does not prove this config's secret")
+                rank = self._admit(link, ranks)
             except (ValueError, OSError) as e:
-                log.warning(
-                    "shared plane: refused a connection from pid %d: %s", link.peer.pid, e)
+                log.warning("shared plane: refused a connection from pid %d: %s",
+                            link.peer.pid, e)
                 link.close()
                 continue
             link.sock.settimeout(self.timeout_s)
             link.timeout_s = self.timeout_s
-            self.links[hello.rank] = link
+            self.links[rank] = link
 
-    def send(self, rank: int, packet: Packet, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    def _admit(self, link: _Socket, ranks: range) -> int:
+        """The rank a connecting receiver takes: of this user or root (the kernel's word), a
+        rank still to join, proving the secret on a fresh nonce; `ValueError` otherwise."""
+        if link.peer.uid not in (os.getuid(), 0):
+            raise ValueError(f"uid {link.peer.uid} is neither the sender's nor root")
+        nonce = os.urandom(16)
+        link.send(Challenge(nonce))
+        hello, _ = link.recv()
+        if not isinstance(hello, Hello) or hello.rank not in ranks or hello.rank in self.links:
+            raise ValueError(f"not the Hello of a rank still to join: {hello!r:.80}")
+        if not mac_matches(self.secret, _HELLO, nonce, _rank(hello.rank), hello.proof):
+            raise ValueError(f"rank {hello.rank} does not prove this config's secret")
+        return hello.rank
+
+    def send(self, rank: int, packet: Packet, fds: Sequence[int] = ()) -> None:
         """Send to one receiver; a failure marks it `gone` (never raises)."""
         link = self.links.get(rank)
         if link is None or rank in self.gone:
@@ -259,7 +265,7 @@ class Hub:
         except OSError as e:
             self.gone[rank] = f"its handoff socket failed ({e})"
 
-    def publish(self, packet: Packet, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    def publish(self, packet: Packet, fds: Sequence[int] = ()) -> None:
         """Send to every receiver."""
         for rank in self.links:
             self.send(rank, packet, fds)
