@@ -11,10 +11,10 @@ host work never shares an interpreter with the token stream it is measured again
 from __future__ import annotations
 
 import multiprocessing as mp
-import types
 from typing import Any
 
 from vllm_nccl_sync.outcomes import PushError
+from vllm_nccl_sync.trainer.tensors import PushResult
 
 
 def host_tensors(layers: int, seed: int = 1234) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def _serve(conn: Any, cfg: dict, layers: int, dims: dict, threads: int) -> None:
                 r = client.push(tensors, version, staged=staged,
                                 verified=(lambda: conn.send(("verified", None))) if relay else None)
                 out = {"version": r.version, "buckets": r.buckets, "bytes": r.bytes,
-                       "seconds": r.seconds}
+                       "tensors": r.tensors, "seconds": r.seconds}
             elif what == "close":
                 client.close()
                 conn.send(("done", None))
@@ -111,7 +111,7 @@ class RemoteClient:
     def push(self, named_tensors: Any, version: int, *, staged: bool = False,
              verified: Any = None, **kwargs: Any) -> Any:
         out = self._call("push", version, staged, verified is not None, verified=verified)
-        return types.SimpleNamespace(acks=[], cast={}, **out)
+        return PushResult(acks=[], **out)
 
     def close(self) -> None:
         try:
