@@ -595,11 +595,11 @@ def _rogue(cfg: dict, uid: int, secret: bytes | None) -> str:
         os.setgid(uid)
         os.setuid(uid)
     store = dist.PrefixStore("vllm_nccl_sync", dist.TCPStore(
-        cfg["host"], cfg["group_port"], is_master=False, timeout=timedelta(seconds=30)))
+        cfg["host"], cfg["group_port"], is_master=False, timeout=timedelta(seconds=120)))
     raw = store.get("join")
     join = msgspec.msgpack.decode(raw[: len(raw) - (32 if cfg.get("secret") else 0)], type=Join)
     try:
-        link = Link(join, 1, secret, 30.0)
+        link = Link(join, 1, secret, 120.0)
         _, fds = link.group_memory()
     except (ValueError, OSError) as e:
         return f"refused: {e}"
@@ -613,13 +613,13 @@ def test_a_local_process_that_is_not_the_receiver_gets_no_memory(who):
     if who == "another-user" and os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")
     secret = "ab" * 16
-    cfg = _cfg(secret=secret, timeout_s=30.0)
+    cfg = _cfg(secret=secret, timeout_s=120.0)  # a bound: the rogue's start may be slow
     uid, proof = (os.getuid(), b"\x00" * 16) if who == "wrong-secret" else (NOBODY, bytes.fromhex(secret))
     box: dict = {}
     th = threading.Thread(target=lambda: box.setdefault(0, _try(lambda: Transport(cfg, 0))))
     th.start()
     try:
-        rogue, = run_procs([(_rogue, (cfg.to_dict(), uid, proof))], 60)
+        rogue, = run_procs([(_rogue, (cfg.to_dict(), uid, proof))], 180)
         assert rogue.startswith("refused"), rogue
         rx = Transport(cfg, 1)
     finally:
