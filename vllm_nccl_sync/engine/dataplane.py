@@ -80,8 +80,6 @@ class ReceivePlane:
         self.wire = first.shared_buffers() if self.shared else self.buffers
         """The buffers the collectives fill (the sender's, on same-host planes)."""
         self._pinned_for = engine if feeds_cuda else None
-        self._slots: dict[int, list[Any]] = {}
-        """Slots of posted buckets read in place that this receiver copies (`copies`)."""
         self.in_place: dict[int, list[torch.Tensor]] = {}
         """Buckets read where their slots lie in the sender's memory (`BucketHeader.at`), by
         seq: one flat tensor per slot."""
@@ -121,7 +119,6 @@ class ReceivePlane:
     def begin(self) -> None:
         """A new update: CUDA loads queue after whatever the engine queued before."""
         self.in_place.clear()
-        self._slots.clear()
         self.read_in_place = 0
         self.tap = Tap()
         if self.cuda:
@@ -170,9 +167,7 @@ class ReceivePlane:
         """Post the collective filling buffer seq % 2; returns its handle and canary (if any).
         A bucket read where it lies posts nothing: its handle holds the mapped bytes."""
         if header.at is not None:
-            if self.copies:
-                self._slots[seq] = header.slots
-            return _Mapped(self._parts(header)), None
+            return _Mapped(self._parts(header), header.slots), None
         i, length = seq % 2, header.length
         buf, t = self.wire[i], self.transports[header.src]
         if self.canary_bytes:
@@ -195,7 +190,7 @@ class ReceivePlane:
         if isinstance(work, _Mapped):
             self.read_in_place += 1
             if self.copies:
-                return checksum_parts(self._copy_parts(seq, work.parts))
+                return checksum_parts(self._copy_parts(seq, work))
             parts = self.in_place[seq] = work.parts
             for p in parts:  # summed by the loads that copy them whole, the rest at the Seal
                 self.tap.want(p)
@@ -212,13 +207,12 @@ class ReceivePlane:
             self._cksum_done[seq % 2].record(self._cksum)
         return got
 
-    def _copy_parts(self, seq: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _copy_parts(self, seq: int, mapped: _Mapped) -> list[torch.Tensor]:
         """Copy a bucket read in place into this receiver's buffer, each part where a packed
         bucket holds its slot (it is then unpacked like one); the copies, one per part."""
-        header_slots = self._slots.pop(seq)
         buf = self.buffers[seq % 2]
         out = []
-        for s, p in zip(header_slots, parts, strict=True):
+        for s, p in zip(mapped.slots, mapped.parts, strict=True):
             dst = buf[s.offset : s.offset + s.nbytes]
             dst.copy_(p)
             out.append(dst)
@@ -316,8 +310,9 @@ class _Gathered:
 class _Mapped:
     """A bucket read where its slots lie: nothing to wait for, they are the sender's memory."""
 
-    def __init__(self, parts: list[torch.Tensor]) -> None:
+    def __init__(self, parts: list[torch.Tensor], slots: list[Any]) -> None:
         self.parts = parts
+        self.slots = slots
 
     def wait(self) -> bool:
         return True
