@@ -218,7 +218,7 @@ def driver(args) -> dict:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from vllm_nccl_sync.glue.lora import lora_request
+    from vllm_nccl_sync.integrations.vllm.lora import lora_request
     from vllm_nccl_sync.trainer.sync import free_port
 
     d = SMOKE_DIMS if args.cpu_smoke else DIMS

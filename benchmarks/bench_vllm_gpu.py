@@ -76,7 +76,7 @@ SMOKE_DIMS = dict(hidden=64, inter=160, heads=4, kv_heads=2, vocab=1000)  # `--c
 _CH = 1 << 24
 
 try:  # the engine imports this module as its worker extension
-    from vllm_nccl_sync.glue.ext import Ext
+    from vllm_nccl_sync.integrations.vllm.ext import Ext
 except ImportError:  # pragma: no cover
     Ext = object
 
@@ -181,7 +181,7 @@ class BenchExt(Ext):
             for p in model.parameters():
                 p.zero_()
             if self.device.type == "cpu":  # `--cpu-smoke`: vLLM CPU computes from packed copies
-                from vllm_nccl_sync.patches import vllm_cpu_repack as cpu
+                from vllm_nccl_sync.integrations.vllm.patches import cpu_repack as cpu
 
                 for entry in cpu.unpack_linears(model):  # weight-less linears: pack zeros
                     entry.layer.weight.zero_()
@@ -352,7 +352,7 @@ def api_trainer(sock, tensors: dict, bucket: int, gpu: bool):
     """This project's trainer engine through vLLM's `WeightTransferTrainerFactory` only."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.glue.weight_transfer import BACKEND, SURFACE, NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.weight_transfer import BACKEND, SURFACE, NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(world_size=2, rank=0, bucket_bytes=bucket, timeout_s=120.0,
                                    transport="nccl" if gpu else "gloo")
@@ -512,7 +512,7 @@ class Driver:
     def serve(self, last: str, timeout_s: float = 300.0) -> None:
         """Make the trainer's vLLM API calls (`RemoteClient`) on this engine's `LLM` until the
         call `last` was made; a failure on the trainer's side raises here."""
-        from vllm_nccl_sync.glue.weight_transfer import OfflineClient
+        from vllm_nccl_sync.weight_transfer import OfflineClient
 
         client = OfflineClient(self.llm)
         while True:
@@ -780,7 +780,7 @@ def driver(args) -> dict:
             drv.llm = None
             stop_engine(llm)
             del llm
-            import vllm_nccl_sync.glue.weight_transfer  # noqa: F401 - registers `nccl_sync` here
+            import vllm_nccl_sync.weight_transfer  # noqa: F401 - registers `nccl_sync` here
             m = ("ours_vllm_api", bucket)
             try:
                 t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
-from vllm_nccl_sync.engine.copyplan import CopyPlan
+from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
 from vllm_nccl_sync.wire.cuda_sums import Tap, tapping
 from vllm_nccl_sync.wire.integrity import Pending, _terms, checksum_parts_gpu, read_back
 

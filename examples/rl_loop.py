@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_nccl_sync.glue.engines import HTTPHandle  # noqa: E402
+from vllm_nccl_sync.integrations.vllm.handles import HTTPHandle  # noqa: E402
 from vllm_nccl_sync.testing import build_model, save_model, start_server  # noqa: E402
 from vllm_nccl_sync.trainer.sync import WeightSync  # noqa: E402
 
@@ -153,7 +153,7 @@ class VllmApiPusher:
             WeightTransferTrainerFactory,
         )
 
-        from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+        from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
         self.url, self.handle, self.mode = url, HTTPHandle(url), mode
         with urllib.request.urlopen(url + "/get_world_size", timeout=30) as r:

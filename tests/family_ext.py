@@ -13,7 +13,7 @@ class FamilyExt(LoaderExt):
 
     def nccl_test_derived(self) -> dict[str, str]:
         """sha256 of every tensor a derived layer (MLA's `W_UK_T`/`W_UV`) holds, by name."""
-        from vllm_nccl_sync.patches.vllm_postload import derived_layers, layer_tensors
+        from vllm_nccl_sync.integrations.vllm.patches.postload import derived_layers, layer_tensors
         from vllm_nccl_sync.verify import digest
 
         return {f"{name}.{t}": digest(v) for name, (layer, _) in
@@ -52,7 +52,7 @@ class FamilyExt(LoaderExt):
         import torch
         from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
 
-        from vllm_nccl_sync.patches.vllm_postload import derived_layers
+        from vllm_nccl_sync.integrations.vllm.patches.postload import derived_layers
 
         out = {}
         for name, (m, _) in derived_layers(self.model_runner.model).items():
@@ -68,7 +68,7 @@ class FamilyExt(LoaderExt):
         `kv_b_proj`'s weight before (so could not go stale)."""
         import torch
 
-        from vllm_nccl_sync.patches.vllm_postload import derived_layers
+        from vllm_nccl_sync.integrations.vllm.patches.postload import derived_layers
 
         out = {}
         for name, (m, _) in derived_layers(self.model_runner.model).items():
@@ -83,23 +83,23 @@ class FamilyExt(LoaderExt):
 
     def nccl_test_skip_derived(self, skip: bool) -> None:
         """Negative control: make the loader skip (or again run) the derived-tensor refresh."""
-        from vllm_nccl_sync.patches import vllm_postload
+        from vllm_nccl_sync.integrations.vllm.patches import postload as postload_patch
 
-        if not hasattr(vllm_postload, "_real_refresh"):
-            vllm_postload._real_refresh = vllm_postload.refresh_derived
-        vllm_postload.refresh_derived = ((lambda *a: 0) if skip
-                                         else vllm_postload._real_refresh)
+        if not hasattr(postload_patch, "_real_refresh"):
+            postload_patch._real_refresh = postload_patch.refresh_derived
+        postload_patch.refresh_derived = ((lambda *a: 0) if skip
+                                         else postload_patch._real_refresh)
 
     def nccl_test_rule(self) -> dict[str, Any]:
         """The per-layer rule as it applies to this model: kernel-format and derived layers."""
-        from vllm_nccl_sync.patches.vllm_postload import derived_layers, transformed
+        from vllm_nccl_sync.integrations.vllm.patches.postload import derived_layers, transformed
 
         model = self.model_runner.model
         return {"transformed": transformed(model), "derived": sorted(derived_layers(model))}
 
     def nccl_test_plan_problems(self, specs: list[list[Any]]) -> list[str]:
         """What the engine's plan check says about `[[name, dtype, shape], ...]`."""
-        from vllm_nccl_sync.glue.worker import reference
+        from vllm_nccl_sync.integrations.vllm.worker import reference
         from vllm_nccl_sync.wire.protocol import TensorSpec
 
         ref = reference(self.vllm_config)

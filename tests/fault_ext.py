@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_nccl_sync.glue.ext import Ext
+from vllm_nccl_sync.integrations.vllm.ext import Ext
 
 INJECTED = "nccl_test injected failure"
 WHERE = ("finish", "load", "verify")

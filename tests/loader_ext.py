@@ -25,7 +25,7 @@ class LoaderExt:
         import torch
         from safetensors.torch import load_file
 
-        from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
+        from vllm_nccl_sync.integrations.vllm.loader import VllmWeightLoader
 
         tensors: dict[str, torch.Tensor] = {}
         for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):

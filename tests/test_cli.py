@@ -87,7 +87,7 @@ def server(tmp_path_factory):
 
 @pytest.mark.vllm
 def test_verify_push_verify_and_metrics_over_http(server, capsys, tmp_path):
-    from vllm_nccl_sync.glue.engines import HTTPHandle
+    from vllm_nccl_sync.integrations.vllm.handles import HTTPHandle
     from vllm_nccl_sync.trainer.sync import WeightSync
     from vllm_nccl_sync.verify import verify
 

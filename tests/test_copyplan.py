@@ -1,4 +1,4 @@
-"""`engine.copyplan`: a loader's copies recorded once, replayed as plain copies after, bit for
+"""`integrations.vllm.copyplan`: a loader's copies recorded once, replayed as plain copies after, bit for
 bit what the loader writes; any loader that computes, or writes outside the parameters, turns
 replay off with the reason. Real vLLM engines replay in `tests/test_vllm_engine.py`."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nccl_sync.engine.copyplan import CopyPlan
+from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
 from vllm_nccl_sync.wire import cuda_sums
 
 

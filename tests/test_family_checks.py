@@ -72,7 +72,7 @@ def test_fp8_checkpoints_take_what_the_engine_can_load():
     import torch
 
     from vllm_nccl_sync.engine.handshake import Reference
-    from vllm_nccl_sync.patches.vllm_block_fp8 import expand, quantize
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import expand, quantize
     from vllm_nccl_sync.wire.protocol import TensorSpec
 
     w = "model.layers.0.mlp.down_proj.weight"
@@ -113,7 +113,7 @@ def test_block_fp8_quantization_is_the_checkpoint_makers_bit_for_bit(tmp_path):
     moves scales and FP8 values, so this check would see that difference."""
     import torch
 
-    from vllm_nccl_sync.patches.vllm_block_fp8 import FP8_MAX, SCALE, blocks_of, expand, quantize
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import FP8_MAX, SCALE, blocks_of, expand, quantize
     from vllm_nccl_sync.testing import FP8_BLOCK, make_block_fp8
     from vllm_nccl_sync.verify import checkpoint_tensors
 
@@ -245,7 +245,7 @@ def test_model_with_its_own_post_load_hook_is_refused_with_the_reason():
     so when it is created (before any update), naming the model and what to do."""
     import torch
 
-    from vllm_nccl_sync.patches.vllm_postload import unsupported
+    from vllm_nccl_sync.integrations.vllm.patches.postload import unsupported
 
     class Plain(torch.nn.Module):
         pass

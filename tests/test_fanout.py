@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_nccl_sync import PushError, UpdateRefused
-from vllm_nccl_sync.glue.engines import LLMHandle
+from vllm_nccl_sync.integrations.vllm.handles import LLMHandle
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.sync import WeightSync
 

@@ -133,7 +133,7 @@ def fsdp_trainer(rank: int, fsdp_port: int, cfg: dict, arch: str, ready) -> dict
         else:
             from vllm.distributed.weight_transfer import WeightSource
 
-            from vllm_nccl_sync.trainer.sources import FSDPWeightSource
+            from vllm_nccl_sync.weight_transfer import FSDPWeightSource
 
             ref = build_model(arch, SEED_PUSH).state_dict()
             source = FSDPWeightSource(model)

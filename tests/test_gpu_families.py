@@ -60,7 +60,7 @@ def test_block_fp8_quantization_is_the_same_on_gpu():
     import torch
 
     from tests.test_family_checks import _bits
-    from vllm_nccl_sync.patches.vllm_block_fp8 import quantize
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import quantize
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

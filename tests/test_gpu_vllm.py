@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nccl_sync.glue.ext import Ext
+from vllm_nccl_sync.integrations.vllm.ext import Ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 8
@@ -75,7 +75,7 @@ class ProbeExt(Ext):
 
     def nccl_test_loader_mode(self, mode: str) -> None:
         """Make the joined session load through a `VllmWeightLoader(mode=...)`."""
-        from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
+        from vllm_nccl_sync.integrations.vllm.loader import VllmWeightLoader
 
         loader = VllmWeightLoader(self, mode=mode)
         self._nccl_sync.loaders = lambda: loader

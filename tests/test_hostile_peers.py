@@ -490,7 +490,7 @@ def tp2(tmp_path_factory):
     `WeightSync`."""
     from vllm import LLM
 
-    from vllm_nccl_sync.glue.engines import LLMHandle
+    from vllm_nccl_sync.integrations.vllm.handles import LLMHandle
     from vllm_nccl_sync.testing import engine_kwargs, make_model
     from vllm_nccl_sync.trainer.sync import WeightSync
 

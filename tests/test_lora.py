@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.procs import wait_until
-from vllm_nccl_sync.glue.engines import HTTPHandle, LLMHandle
+from vllm_nccl_sync.integrations.vllm.handles import HTTPHandle, LLMHandle
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.push import PushError
 from vllm_nccl_sync.trainer.sync import WeightSync
@@ -91,7 +91,7 @@ def base_fingerprint(llm) -> tuple:
 
 
 def test_adapters_added_replaced_and_mixed(engine):
-    from vllm_nccl_sync.glue.lora import lora_request
+    from vllm_nccl_sync.integrations.vllm.lora import lora_request
 
     llm, sync = engine
     n = len(PROMPTS)
@@ -138,7 +138,7 @@ def test_adapters_added_replaced_and_mixed(engine):
 
 
 def test_bad_adapter_is_refused_and_loses_nothing(engine):
-    from vllm_nccl_sync.glue.lora import lora_request
+    from vllm_nccl_sync.integrations.vllm.lora import lora_request
     from vllm_nccl_sync.trainer.sync import adapter_update
 
     llm, sync = engine
@@ -172,7 +172,7 @@ def test_bad_adapter_is_refused_and_loses_nothing(engine):
 def test_update_aborted_in_the_commit_round_is_undone(engine, monkeypatch):
     """Every receiver acknowledged (the adapter is already swapped in), then the trainer aborts
     (as when another engine failed): the adapter is back as it was, in place and re-registered."""
-    from vllm_nccl_sync.glue.lora import lora_request
+    from vllm_nccl_sync.integrations.vllm.lora import lora_request
     from vllm_nccl_sync.wire.protocol import Ack
 
     llm, sync = engine
@@ -207,8 +207,8 @@ def test_adapter_through_vllm_weight_transfer_api(tmp_path):
     from vllm import LLM
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.glue.lora import lora_request
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.integrations.vllm.lora import lora_request
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
     path = make_model(str(tmp_path / "qwen2"), "qwen2", seed=1)
     llm = LLM(model=path, weight_transfer_config={"backend": "nccl_sync"},

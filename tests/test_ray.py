@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from vllm_nccl_sync.glue.ext import Ext
+from vllm_nccl_sync.integrations.vllm.ext import Ext
 from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 ray = pytest.importorskip("ray")
@@ -161,7 +161,7 @@ def test_update_through_vllm_weight_transfer_api(engine):
     """vLLM's own calls only (trainer factory, `ModuleSource`, the in-process `LLM`)."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
     node_ip, llm = engine
     new = build_model("qwen2", seed=3)

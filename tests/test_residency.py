@@ -2,7 +2,7 @@
 
 A torch module stands in for the engine's model; what vLLM's `Worker.sleep`/`wake_up`/
 `discard`/`reset_weights`/`reload_weights` record is recorded here through the same
-`patches.vllm_sleep` wrappers, on a stand-in worker class (the real engine's test is in
+`integrations.vllm.patches.sleep` wrappers, on a stand-in worker class (the real engine's test is in
 `test_vllm_engine.py`, the GPU one with real sleep levels in `test_gpu_sleep.py`). The promises:
 nothing is written into weights that are asleep, and an engine whose memory sleeps is neither
 paused nor resumed by an update (only its prefix cache reset); after the weights were discarded the engine
@@ -22,7 +22,7 @@ from tests.session_engine import SessionEngine, driven, same
 from vllm_nccl_sync import PushError, UpdateRefused
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.loaders import ModuleLoader
-from vllm_nccl_sync.patches.vllm_sleep import RECORDS, watch
+from vllm_nccl_sync.integrations.vllm.patches.sleep import RECORDS, watch
 
 TIMEOUT = 20.0  # a bound on every wait, never a speed requirement
 

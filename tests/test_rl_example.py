@@ -20,7 +20,7 @@ ROUNDS = 5
 
 def vllm_api_available() -> bool:
     try:
-        import vllm_nccl_sync.glue.weight_transfer  # noqa: F401
+        import vllm_nccl_sync.weight_transfer  # noqa: F401
     except Exception:  # not there, or this vLLM lacks the weight-transfer API
         return False
     return True

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import pytest
 
 from tests.procs import wait_until
-from vllm_nccl_sync.glue.engines import AsyncLLMHandle, HTTPHandle
+from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle, HTTPHandle
 from vllm_nccl_sync.outcomes import label_version, version_label
 from vllm_nccl_sync.testing import (
     PROMPTS,
@@ -220,12 +220,12 @@ def _check_spans(mode: str, finished: list, before: str, version: int) -> None:
 
 
 def test_async_llm_pause_goes_straight_to_the_engine_core(async_engine):
-    """The handle pauses through the engine core (`patches/vllm_pause`), never through
+    """The handle pauses through the engine core (`integrations/vllm/patches/pause.py`), never through
     `pause_generation` and its closing sleep, on this vLLM; the engine is paused, then resumed."""
-    from vllm_nccl_sync.patches import vllm_pause
+    from vllm_nccl_sync.integrations.vllm.patches import pause as pause_patch
 
     engine, loop, sync = async_engine
-    assert vllm_pause._direct(engine, clear_cache=True)
+    assert pause_patch._direct(engine, clear_cache=True)
     [handle] = sync.engines
     called = []
     real = engine.pause_generation

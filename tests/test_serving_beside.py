@@ -24,7 +24,7 @@ import pytest
 
 from tests.procs import wait_until
 from vllm_nccl_sync import PushError
-from vllm_nccl_sync.glue.engines import AsyncLLMHandle
+from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle
 from vllm_nccl_sync.outcomes import CARRY_RPC
 from vllm_nccl_sync.testing import (
     PROMPTS,
@@ -257,7 +257,7 @@ def test_carry_keeps_a_running_request_on_its_kv_and_no_later_request_sees_old_k
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_nccl_sync.patches.vllm_pause import pause
+    from vllm_nccl_sync.integrations.vllm.patches.pause import pause
 
     llm, loop, sync = engine
     seen = Recorded(sync.engines[0], CARRY_RPC)

@@ -1,4 +1,4 @@
-"""SGLang receivers (`vllm_nccl_sync.glue.sglang`).
+"""SGLang receivers (`vllm_nccl_sync.integrations.sglang`).
 
 CPU (CI, no SGLang needed): the command codec; the custom-loader entry point `load` with an
 SGLang-like model (a transformers model with a `load_weights`); `WeightSync` driving
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_nccl_sync.glue import sglang as sg
+from vllm_nccl_sync.integrations import sglang as sg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 8

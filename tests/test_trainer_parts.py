@@ -267,7 +267,7 @@ def test_the_cast_rule():
 
 
 def test_front_doors_take_syncconfig_defaults():
-    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine
+    from vllm_nccl_sync.integrations.verl import VllmNcclSyncCheckpointEngine
 
     default = SyncConfig.defaults().__getitem__
     assert default("timeout_s") == 120.0

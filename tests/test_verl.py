@@ -68,10 +68,10 @@ def engine_class(via_registry: bool):
     if via_registry:
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
-        import vllm_nccl_sync.glue.verl  # noqa: F401  (verl's custom_backend_module)
+        import vllm_nccl_sync.integrations.verl  # noqa: F401  (verl's custom_backend_module)
 
         return CheckpointEngineRegistry.get("vllm_nccl_sync"), CheckpointEngineRegistry.new
-    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine as cls
+    from vllm_nccl_sync.integrations.verl import VllmNcclSyncCheckpointEngine as cls
 
     return cls, lambda name, **kw: cls(**kw)
 
@@ -209,7 +209,7 @@ def test_verl_backend_pushes_to_verl_rollout_and_plain_receiver(via_registry):
 
 
 def test_build_topology_keeps_or_replaces_the_group():
-    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine as cls
+    from vllm_nccl_sync.integrations.verl import VllmNcclSyncCheckpointEngine as cls
 
     fresh = {"host": "127.0.0.1", "control_port": 1001, "group_port": 1002, "world_size": 2}
     held = {**fresh, "control_port": 2001, "group_port": 2002, "world_size": 3}
@@ -229,7 +229,7 @@ def test_actor0_updates_its_own_ext_engines_beside_the_push():
     back as the push's own error, carrying the engines' reports."""
     from tests.engine_procs import ProcEngine
     from vllm_nccl_sync import UpdateRefused
-    from vllm_nccl_sync.glue.verl import VllmNcclSyncCheckpointEngine as cls
+    from vllm_nccl_sync.integrations.verl import VllmNcclSyncCheckpointEngine as cls
 
     ext = ProcEngine()
     master = cls(is_master=True, bucket_size=BUCKET, transport="gloo", host="127.0.0.1",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_nccl_sync.outcomes import committed_version, label_version, version_label
-from vllm_nccl_sync.patches.vllm_swap_turn import label
+from vllm_nccl_sync.integrations.vllm.patches.swap_turn import label
 
 
 

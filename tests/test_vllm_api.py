@@ -48,7 +48,7 @@ def trainer_for(client, model: torch.nn.Module, world_size: int, transport: str 
     the data plane)."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(world_size=world_size, rank=0, timeout_s=TIMEOUT_S,
                                    bucket_bytes=64 * 1024,  # small buckets: many, and chunking
@@ -230,9 +230,9 @@ def test_trainer_engine_under_vllm_026_calling_convention(monkeypatch):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import ModuleSource
 
-    from vllm_nccl_sync.glue import transfer_trainer
-    from vllm_nccl_sync.glue import weight_transfer as wt
-    from vllm_nccl_sync.patches.vllm_weight_transfer import Surface
+    from vllm_nccl_sync import weight_transfer as wt
+    from vllm_nccl_sync.integrations.vllm.transfer import trainer as transfer_trainer
+    from vllm_nccl_sync.integrations.vllm.transfer.backend import Surface
 
     old = Surface("0.26.0", weight_version=False, trainer_backend_classvar=False)
     monkeypatch.setattr(wt, "SURFACE", old)
@@ -269,7 +269,7 @@ class UnconfiguredClient(ModuleClient):
 def test_engine_side_init_failure_is_what_the_trainer_reports():
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo, WeightTransferFailed
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo, WeightTransferFailed
 
     src = torch.nn.Linear(4, 4)
     info = NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S)
@@ -286,7 +286,7 @@ def test_unsupported_vllm_is_refused_by_name(monkeypatch):
         WeightTransferTrainerFactory,
     )
 
-    from vllm_nccl_sync.patches import vllm_weight_transfer as guard
+    from vllm_nccl_sync.integrations.vllm.transfer import backend as guard
 
     guard.register()  # idempotent: the entry point already ran, or importing the backend did
     assert "nccl_sync" in WeightTransferEngineFactory._registry
@@ -303,7 +303,7 @@ def test_unsupported_vllm_is_refused_by_name(monkeypatch):
 def test_init_info_takes_vllms_nccl_fields_with_their_meaning_here():
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo as Info
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo as Info
     from vllm_nccl_sync.wire.config import SyncConfig
 
     info = Info(world_size=3, rank=0, master_address="10.0.0.1", master_port=29500,
@@ -352,7 +352,7 @@ def test_bf16_trainer_into_an_fp32_engine_through_vllms_api(monkeypatch):
     import msgspec
     from vllm.distributed.weight_transfer import ModuleSource
 
-    from vllm_nccl_sync.glue import weight_transfer as wt
+    from vllm_nccl_sync import weight_transfer as wt
     from vllm_nccl_sync.wire.channel import ReceiverChannel
     from vllm_nccl_sync.wire.protocol import Hello
 
@@ -389,7 +389,7 @@ info = pickle.loads(sys.stdin.buffer.read())  # imports the init info's module, 
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 engine = WeightTransferTrainerFactory.trainer_init(
     init_info=info, client=None, source=ModuleSource(torch.nn.Linear(2, 2)))
-print(type(engine).__name__, sorted(m for m in sys.modules if m.startswith("vllm_nccl_sync.glue")))
+print(type(engine).__name__, sorted(m for m in sys.modules if m.startswith("vllm_nccl_sync.")))
 """
 
 
@@ -401,7 +401,7 @@ def test_a_process_that_only_unpickles_the_init_info_finds_the_backend():
     import subprocess
     import sys
 
-    from vllm_nccl_sync.glue.transfer_trainer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.integrations.vllm.transfer.trainer import NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2,
                                    rank=1)  # not the sender: nothing to join
@@ -411,4 +411,4 @@ def test_a_process_that_only_unpickles_the_init_info_finds_the_backend():
     assert out.returncode == 0, out.stderr.decode()[-3000:]
     name, _, modules = out.stdout.decode().strip().splitlines()[-1].partition(" ")
     assert name == "NcclSyncTrainerEngine"
-    assert "vllm_nccl_sync.glue.weight_transfer" not in modules  # found without it
+    assert "vllm_nccl_sync.weight_transfer" not in modules  # found without it

@@ -76,7 +76,7 @@ def http_trainer(base_url: str, train_model: torch.nn.Module):
         WeightTransferTrainerFactory,
     )
 
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
     world_size = get_world_size(base_url) + 1
     master_address = "127.0.0.1"
@@ -172,7 +172,7 @@ def ray_actors():
                 WeightTransferTrainerFactory,
             )
 
-            from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+            from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
             self.engine = WeightTransferTrainerFactory.trainer_init(
                 init_info=NcclSyncTrainerInitInfo(
@@ -265,7 +265,7 @@ def offline_trainer(llm, model: torch.nn.Module, world_size: int):
     """The same trainer engine against an in-process `LLM`."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from vllm_nccl_sync.glue.weight_transfer import NcclSyncTrainerInitInfo
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo
 
     info = NcclSyncTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
                                    world_size=world_size, rank=0, packed=True,

@@ -1,4 +1,4 @@
-"""Transfer ranks from vLLM's parallel config (`worker_glue.worker_rank`), shared by `Ext` and the
+"""Transfer ranks from vLLM's parallel config (`integrations.vllm.worker.worker_rank`), shared by `Ext` and the
 `nccl_sync` weight-transfer backend: unique and dense across TP, PP and DP replicas."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_nccl_sync.glue.worker import worker_rank
+from vllm_nccl_sync.integrations.vllm.worker import worker_rank
 
 
 def _config(tp: int, pp: int, dp: int, rank: int, dp_index: int, launcher: str | None = None):
@@ -71,7 +71,7 @@ def test_replica_from_data_parallel_rank_without_index():
 def test_engines_with_a_drafter_are_refused(method, refused):
     """A drafter with weights of its own (MTP head, EAGLE, a draft model) would keep the old
     weights after an in-place update: such engines are refused, saying why and what to do."""
-    from vllm_nccl_sync.glue.vllm_loader import drafter_problem
+    from vllm_nccl_sync.integrations.vllm.loader import drafter_problem
 
     spec = None if method is None else SimpleNamespace(method=method)
     why = drafter_problem(SimpleNamespace(speculative_config=spec))

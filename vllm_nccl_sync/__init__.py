@@ -7,8 +7,8 @@ Checks: `verify` (the engine holds exactly the trainer's tensors). Outcomes: `Sy
 kinds, `WorkerSummary`. The layout of the package is drawn in docs/architecture.md.
 """
 
-from vllm_nccl_sync.glue.engines import AsyncLLMHandle, HTTPHandle, LLMHandle
-from vllm_nccl_sync.glue.ext import Ext
+from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle, HTTPHandle, LLMHandle
+from vllm_nccl_sync.integrations.vllm.ext import Ext
 from vllm_nccl_sync.outcomes import (
     PeerFailed,
     ProtocolError,

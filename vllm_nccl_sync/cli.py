@@ -64,7 +64,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def engine_from_args(args: argparse.Namespace) -> Any:
     """The engine handle `verify` talks to (a `vllm serve` in dev mode, by URL)."""
-    from vllm_nccl_sync.glue.engines import HTTPHandle
+    from vllm_nccl_sync.integrations.vllm.handles import HTTPHandle
 
     return HTTPHandle(args.url, workers=args.workers, call_timeout_s=args.timeout)
 

@@ -159,7 +159,7 @@ def make_block_fp8(path: str, seed: int, quantized: bool = True) -> str:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from vllm_nccl_sync.patches.vllm_block_fp8 import SCALE, quantize
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import SCALE, quantize
 
     config = _config("qwen3")
     config.num_key_value_heads = 4  # 4 x 32: every projection is a multiple of a block

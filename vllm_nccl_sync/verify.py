@@ -1,7 +1,7 @@
 """Does the engine really hold these weights? Per-tensor sha256, trainer/checkpoint vs engine.
 
 Engine side: `nccl_sync_checksums(names)` hashes the parameters as the worker holds them
-(`engine.checksums.module_checksums`, re-exported here), under the engine's names. This side:
+(`integrations.vllm.checksums.module_checksums`, re-exported here), under the engine's names. This side:
 `verify(source, engine)` hashes a safetensors checkpoint directory or live `(name, tensor)` pairs
 under the HF names and compares.
 
@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.engine.checksums import digest, dtype_str, module_checksums  # noqa: F401
+from vllm_nccl_sync.engine.checksums import digest, dtype_str
+from vllm_nccl_sync.integrations.vllm.checksums import module_checksums  # noqa: F401
 
 
 def checkpoint_tensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:

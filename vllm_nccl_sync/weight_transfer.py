@@ -1,5 +1,7 @@
 """vLLM's own RL weight-sync API as the front door: the `nccl_sync` weight-transfer backend.
 
+This module is the backend's public import path (its code lives in `integrations.vllm.transfer`).
+
 RL frameworks drive weight updates through vLLM's native API: `init_weight_transfer_engine`,
 `start_weight_update`, `update_weights`, `finish_weight_update` on `LLM`, `AsyncLLM` or the HTTP
 server's RL routes, with the backend chosen by name (`weight_transfer_config={"backend": ...}`).
@@ -7,7 +9,7 @@ This module is that backend for this project, on both sides:
 
 * Engine side, `NcclSyncWeightTransferEngine` (vLLM's `WeightTransferEngineFactory`, name
   `nccl_sync`): `init_weight_transfer_engine` joins the trainer's transfer group through
-  `worker_glue.join` (the same join, rank formula and checkpoint reference as `Ext`);
+  `integrations.vllm.worker.join` (the same join, rank formula and checkpoint reference as `Ext`);
   `update_weights` runs one whole `EngineSession.receive` into `VllmWeightLoader` (plan check, exact
   headers, checksums, commit round, timeouts). A failed update raises, which is how vLLM reports
   a failed weight-transfer call: the engine core catches it and keeps serving, `LLM`/`AsyncLLM`
@@ -29,29 +31,31 @@ A trainer written against vLLM's API needs only the init info::
 
 Importing this module registers the backend with both factories (the `vllm.general_plugins`
 entry point registers it in every vLLM process without importing this module). Which vLLM
-versions get what: `patches/vllm_weight_transfer.py`.
+versions get what: `integrations/vllm/transfer/backend.py`.
 """
 
 from __future__ import annotations
 
-from vllm_nccl_sync.glue.transfer_clients import AsyncEngineClient, OfflineClient
-from vllm_nccl_sync.glue.transfer_engine import (
+from vllm_nccl_sync.integrations.vllm.transfer.backend import BACKEND, register
+from vllm_nccl_sync.integrations.vllm.transfer.clients import AsyncEngineClient, OfflineClient
+from vllm_nccl_sync.integrations.vllm.transfer.engine import (
     SURFACE,
     NcclSyncInitInfo,
     NcclSyncUpdateInfo,
     NcclSyncWeightTransferEngine,
 )
-from vllm_nccl_sync.glue.transfer_trainer import (
+from vllm_nccl_sync.integrations.vllm.transfer.source import FSDPWeightSource
+from vllm_nccl_sync.integrations.vllm.transfer.trainer import (
     NcclSyncTrainerEngine,
     NcclSyncTrainerInitInfo,
     WeightTransferFailed,
 )
-from vllm_nccl_sync.patches.vllm_weight_transfer import BACKEND, register
 
 __all__ = [
     "BACKEND",
     "SURFACE",
     "AsyncEngineClient",
+    "FSDPWeightSource",
     "NcclSyncInitInfo",
     "NcclSyncTrainerEngine",
     "NcclSyncTrainerInitInfo",

@@ -32,7 +32,7 @@ _ST_DTYPES = {
 }
 _FLOATS = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
 _MAX_HEADER = 100 * 1024 * 1024
-_BLOCK_SCALE = "_scale_inv"  # beside a block-FP8 weight (see patches.vllm_block_fp8)
+_BLOCK_SCALE = "_scale_inv"  # beside a block-FP8 weight (see integrations.vllm.block_fp8)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ Colocated trainers put the engine to sleep while they step: level 1 offloads the
 memory (restored by `wake_up`), level 2 discards them (after `wake_up(tags=["weights"])` the
 parameters hold whatever the fresh allocation holds). vLLM 0.32 can also `discard` the weights
 or zero them (`reset_weights`), and `reload_weights` loads them again from the checkpoint. None
-of these goes through an update, so the worker records them here (`patches.vllm_sleep` wraps
+of these goes through an update, so the worker records them here (`integrations.vllm.patches.sleep` wraps
 those calls) and the session reads them:
 
 * weights asleep: an update is refused before any byte moves (writing into unmapped memory

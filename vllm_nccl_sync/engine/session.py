@@ -1,7 +1,7 @@
 """One engine worker's side of the transfer group, behind every front door.
 
-The vLLM worker extension (`glue.ext.Ext`), vLLM's weight-transfer engine `nccl_sync`
-(`glue.transfer_engine`) and SGLang's custom loader (`glue.sglang`) are thin adapters over one
+The vLLM worker extension (`integrations.vllm.ext.Ext`), vLLM's weight-transfer engine `nccl_sync`
+(`integrations.vllm.transfer.engine`) and SGLang's custom loader (`integrations.sglang`) are thin adapters over one
 `EngineSession`: it joins (and re-joins) the trainer's group, keeps what outlives a re-join (the
 versions held, consistency, counters, the LoRA adapters pushed), receives updates into the
 engine's loader, and reports state, adapters, checksums, parameter pointers and metrics. What is
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_nccl_sync.engine.checksums import module_checksums, param_pointers
+from vllm_nccl_sync.engine.checksums import Layout, SameNames, module_checksums, param_pointers
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.metrics import export_state, prometheus_text
 from vllm_nccl_sync.engine.receiver import Receiver
@@ -32,7 +32,7 @@ from vllm_nccl_sync.wire.protocol import AdapterSpec
 
 
 class Adapters(Protocol):
-    """The LoRA adapters one worker holds (e.g. `glue.lora.AdapterStore`)."""
+    """The LoRA adapters one worker holds (e.g. `integrations.vllm.lora.AdapterStore`)."""
 
     def loader(self, spec: AdapterSpec) -> WeightLoader: ...
 
@@ -63,12 +63,14 @@ class EngineSession:
 
     `model` returns the live model; `parallel` its `(tp_rank, tp_size)`; `adapters` makes the
     worker's adapter store (at the first join, kept across re-joins; None: the engine takes no
-    LoRA adapters).
+    LoRA adapters); `layout` reads the model's parameters in checkpoint terms for `checksums`
+    (the framework's, e.g. `integrations.vllm.checksums.VllmLayout`).
     """
 
     def __init__(self, model: Callable[[], torch.nn.Module],
                  parallel: Callable[[], tuple[int, int]],
-                 adapters: Callable[[], Adapters] | None = None) -> None:
+                 adapters: Callable[[], Adapters] | None = None,
+                 layout: Callable[[torch.nn.Module], Layout] = SameNames) -> None:
         self.state = ReceiverState()
         """What the worker holds: outlives re-joins."""
         self.receiver: Receiver | None = None
@@ -78,6 +80,7 @@ class EngineSession:
         self._model = model
         self._parallel = parallel
         self._make_adapters = adapters
+        self._layout = layout
         self._adapters: Adapters | None = None
         self._beside: BesideReceive | None = None
         self._shadow: Shadow | None = None
@@ -188,12 +191,12 @@ class EngineSession:
     def cannot_carry(self) -> WorkerSummary:
         """The answer to `outcomes.CARRY_RPC` when it reaches the worker: the engine around it
         did not take the call (vLLM's engine core swaps and drops its prefix cache in one turn,
-        `patches.vllm_swap_turn`), so nothing is loaded; the trainer swaps under a pause."""
+        `integrations.vllm.patches.swap_turn`), so nothing is loaded; the trainer swaps under a pause."""
         return WorkerSummary(
             ok=False, rank=self.receiver.rank if self.receiver else -1,
             version=self.state.version, consistent=self.state.consistent,
             error="this engine cannot swap with requests in flight (its vLLM is not patched by "
-                  "vllm_nccl_sync.patches.vllm_swap_turn); swap under a pause",
+                  "vllm_nccl_sync.integrations.vllm.patches.swap_turn); swap under a pause",
             extra={"carry": CARRY_UNSUPPORTED})
 
     def report(self) -> dict[str, Any]:
@@ -220,7 +223,7 @@ class EngineSession:
             raise RuntimeError(f"cannot read the weights: {why}")
         tp_rank, tp_size = self._parallel()
         return {"tp_rank": tp_rank, "tp_size": tp_size,
-                "params": module_checksums(self._model(), names)}
+                "params": module_checksums(self._model(), names, self._layout)}
 
     def param_ptrs(self) -> dict[str, int]:
         """Data pointer of every non-empty parameter and buffer (to prove updates in place)."""

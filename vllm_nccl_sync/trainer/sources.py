@@ -20,11 +20,8 @@ gathered and sent once, under its first name, which the receivers understand. `d
 floating-point tensors *before* the gather (the local shard), so an fp32 master copy is gathered
 and sent as bf16 at half the bytes; leave `PushClient.push(dtype=...)` unset then.
 
-`FSDPWeightSource` (imported lazily: `from vllm_nccl_sync.trainer.sources import FSDPWeightSource`
-needs vLLM) is the same stream as a vLLM `WeightSource` (`vllm.distributed.weight_transfer`),
-for trainer backends written against vLLM's API. Following that contract it yields on every
-rank (vLLM's trainer engines drop the tensors on non-sender ranks); it is also a plain iterable
-of `(name, tensor)`, so `PushClient.push(source, ...)` takes it as well.
+The same stream as a vLLM `WeightSource`, for trainer backends written against vLLM's API:
+`FSDPWeightSource` (`vllm_nccl_sync.weight_transfer`).
 
 Why not `model.state_dict()`: under FSDP2 its values are sharded `DTensor`s, and gathering them
 all at once (`full_tensor()` on each, then a mapping) holds the whole unsharded model. Streaming
@@ -35,14 +32,14 @@ still checked by every receiver before its collective, and a mismatch is an erro
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["full_tensors", "named_sources", "source_name"]  # and FSDPWeightSource (lazy)
+__all__ = ["full_tensors", "named_sources", "source_name", "wire_dtype"]
 
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 """Module-name segments added by wrappers (torch.compile, activation checkpointing), not by the
@@ -76,7 +73,8 @@ def named_sources(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+def wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """What `t` travels as: `dtype` for a floating tensor when one is given, else its own."""
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
@@ -84,7 +82,7 @@ def _materialize(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """The full tensor of `t`: an all-gather for a `DTensor` (a collective of its mesh), the
     tensor itself otherwise (no copy unless cast)."""
     with torch.no_grad():  # scoped to the gather: a generator must not leak grad mode
-        if _wire_dtype(t, dtype) != t.dtype:
+        if wire_dtype(t, dtype) != t.dtype:
             t = t.to(dtype)  # a DTensor casts its local shard: the gather moves the cast bytes
         full_tensor = getattr(t, "full_tensor", None)
         return full_tensor() if callable(full_tensor) else t.detach()
@@ -124,38 +122,3 @@ def full_tensors(
         # Dropped before the next gather: two full tensors never coexist because of us.
         del full, t
 
-
-def _make_weight_source_class() -> type:
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class FSDPWeightSource(WeightSource):
-        """vLLM `WeightSource` over an FSDP2 (or plain) module: full tensors one at a time.
-
-        `metadata()` reads the global shapes and gathers nothing; each `iter()` is a fresh pass
-        that gathers every parameter in that order, on every rank (a collective per parameter;
-        every rank yields, as vLLM's trainer engines expect). Names, tied weights and `dtype`
-        as in `full_tensors`. Also an iterable for `PushClient.push`.
-        """
-
-        def __init__(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
-            self._module = module
-            self._dtype = dtype
-
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(name, _wire_dtype(t, self._dtype), tuple(t.shape))
-                    for name, t in named_sources(self._module)]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return full_tensors(self._module, dtype=self._dtype, push_rank=None)
-
-    FSDPWeightSource.__module__ = __name__
-    return FSDPWeightSource
-
-
-def __getattr__(name: str) -> Any:
-    """`FSDPWeightSource` is built on first use, so importing this module never imports vLLM."""
-    if name == "FSDPWeightSource":
-        cls = _make_weight_source_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

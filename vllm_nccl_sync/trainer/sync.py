@@ -45,7 +45,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EngineHandle(Protocol):
-    """One engine (replica) as `WeightSync` drives it (vLLM's: `glue.engines`)."""
+    """One engine (replica) as `WeightSync` drives it (vLLM's and SGLang's: `integrations`)."""
 
     workers: int
     """How many workers (tensor x pipeline parallel) receive in this engine."""
@@ -277,7 +277,7 @@ class WeightSync:
 
     def _carry(self, asleep: list[bool]) -> list[Outcome]:
         """Every engine's swap in one turn of its engine core, requests kept in flight
-        (`patches.vllm_swap_turn`); an engine whose core does not take that call swaps under a
+        (`integrations.vllm.patches.swap_turn`); an engine whose core does not take that call swaps under a
         `keep` pause instead."""
         t = self.cfg.timeout_s
         bound = engine_call_s(t)

@@ -4,15 +4,15 @@ SGLang (read in 0.5.17, the newest pinning torch 2.11) has no worker extension l
 it has a hook that runs our code inside every TP worker with the live model: a custom weight
 loader. A server started with
 
-    --custom-weight-loader vllm_nccl_sync.glue.sglang.load
+    --custom-weight-loader vllm_nccl_sync.integrations.sglang.load
 
 (`sgl.Engine(..., custom_weight_loader=[LOADER])`) lets `update_weights_from_tensor(named_tensors,
 load_format=LOADER)` call `load(model_runner.model, named_tensors)` in each TP scheduler process,
 inside SGLang's event loop (no forward step runs meanwhile; the tokenizer side holds its
 model-update write lock, so in-flight requests finish first unless the engine is paused).
 
-This module uses that hook as an RPC: the trainer side sends one *command* as the only named
-tensor (the name carries JSON, the tensor is empty), and `load` (`sglang_worker`) runs it on each
+This package uses that hook as an RPC: the trainer side sends one *command* as the only named
+tensor (the name carries JSON, the tensor is empty), and `load` (`worker`) runs it on each
 worker's `EngineSession`, the one behind the vLLM extension too:
 
 * `join`: the worker joins the trainer's group as `rank_offset + pp_rank * tp + tp_rank`, plans
@@ -31,7 +31,7 @@ the trainer-side handles read them back. Update outcomes also reach the trainer 
 protocol itself (`Ack`/`Error` per rank), whatever the report folder.
 
 Trainer side: `SGLangEngineHandle(engine)` for an in-process `sgl.Engine`, `SGLangHTTPHandle(url)`
-for `python -m sglang.launch_server ...`; both are `vllm_nccl_sync.glue.engines.EngineHandle`s, so
+for `python -m sglang.launch_server ...`; both are `EngineHandle`s (`trainer.sync`), so
 `WeightSync([...])` drives them (and vLLM engines in the same group) unchanged.
 
 Limits (SGLang's own hook has them too): weights that SGLang transforms after loading (FP8 and
@@ -55,20 +55,14 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.glue.sglang_worker import (  # noqa: F401  (`load`: what LOADER names)
-    COMMAND_PREFIX,
-    LOADER,
-    METHODS,
-    command_tensors,
-    load,
-    parse_command,
-)
+from vllm_nccl_sync.integrations.sglang.worker import LOADER, METHODS, command_tensors
 
 log = logging.getLogger(__name__)
 
 
 class _SGLangHandle:
-    """Common part of the handles: commands, report folder, pause bookkeeping."""
+    """Common part of the handles (each an `EngineHandle` of `trainer.sync`, like vLLM's):
+    commands, report folder, pause bookkeeping."""
 
     def __init__(self, tp_size: int, pp_size: int, report_dir: str | None,
                  model_path: str | None, call_timeout_s: float) -> None:

@@ -1,7 +1,7 @@
-"""SGLang's side of `glue.sglang`: the custom weight loader that runs commands in each TP worker.
+"""SGLang's side of `integrations.sglang`: the custom weight loader that runs commands in each TP worker.
 
 SGLang calls `load(model_runner.model, named_tensors)` in every TP scheduler process (see
-`glue.sglang`); a command travels as the only named tensor (its name carries JSON, the tensor is
+`integrations.sglang`); a command travels as the only named tensor (its name carries JSON, the tensor is
 empty) and runs on that worker's `EngineSession`: `join` (rank `rank_offset + pp_rank * tp +
 tp_rank`, plans checked against the checkpoint's safetensors headers), `receive` (through the
 model's own `load_weights`, in place), `state`, `adapters`, `param_ptrs`, `checksums`,
@@ -20,12 +20,13 @@ import torch
 
 from vllm_nccl_sync.engine.handshake import Reference, checkpoint_reference
 from vllm_nccl_sync.engine.session import EngineSession, Placement
+from vllm_nccl_sync.integrations.vllm.checksums import VllmLayout
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import dtype_name
 
 log = logging.getLogger(__name__)
 
-LOADER = "vllm_nccl_sync.glue.sglang.load"
+LOADER = "vllm_nccl_sync.integrations.sglang.load"
 """The import path to give SGLang's `--custom-weight-loader` and use as `load_format`."""
 COMMAND_PREFIX = "vllm_nccl_sync:"
 """A named tensor whose name starts with this is a command (the rest of the name is JSON)."""
@@ -148,7 +149,7 @@ def _session(model: torch.nn.Module) -> EngineSession:
     session = _SESSIONS.get(id(model))
     if session is None:
         session = _SESSIONS[id(model)] = EngineSession(
-            lambda: model, lambda: _parallel_info()[:2])
+            lambda: model, lambda: _parallel_info()[:2], layout=VllmLayout)
     return session
 
 

@@ -8,7 +8,7 @@ workers and `receive_weights()` on the rollout workers, then `finalize()`. Impor
 registers `VllmNcclSyncCheckpointEngine` under `vllm_nccl_sync`, so in a verl config:
 
     checkpoint_engine.backend: vllm_nccl_sync          (under actor_rollout_ref.rollout)
-    checkpoint_engine.custom_backend_module: vllm_nccl_sync.glue.verl
+    checkpoint_engine.custom_backend_module: vllm_nccl_sync.integrations.verl
     checkpoint_engine.engine_kwargs.vllm_nccl_sync: {transport: nccl}
 
 Trainer side: actor rank 0 is rank 0 of the transfer group and streams verl's per-tensor generator
@@ -22,7 +22,7 @@ Engine side, two ways (the wire protocol is the same, so the trainer side does n
   runs a `Receiver` and yields full HF-named tensors to verl's server adapter, which loads them.
   A yielded tensor is valid until the generator is resumed after the last tensor of its bucket.
 * vLLM engines running `vllm_nccl_sync.Ext` receive directly into the live model (no copy
-  through another process): hand their `EngineHandle`s (`vllm_nccl_sync.glue.engines`:
+  through another process): hand their `EngineHandle`s (`vllm_nccl_sync.integrations.vllm.handles`:
   `collective_rpc` or HTTP) to actor rank 0 as `engines=`. Their workers take the ranks after
   verl's rollout workers; actor rank 0 joins them with the group and runs their receive calls
   beside each push (`trainer.beside`, one bound), reporting their failures with its own.

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_nccl_sync.engine.graphs import CapturedReplays
+from vllm_nccl_sync.integrations.vllm.graphs import CapturedReplays
 from vllm_nccl_sync.wire.cuda_sums import Tap, copy_summed, fusable, tables, tapping
 
 log = logging.getLogger(__name__)

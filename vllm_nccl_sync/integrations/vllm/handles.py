@@ -4,7 +4,8 @@ An update needs the engine's workers inside `nccl_sync_receive` while the traine
 `WeightSync` runs it beside `PushClient.push` (`trainer.beside`). Each handle is an
 `EngineHandle` (`trainer.sync`) and hides how the call reaches the workers: an offline `vllm.LLM`
 in this process (`LLMHandle`), an `AsyncLLM` on its own event loop (`AsyncLLMHandle`), a
-`vllm serve` process (`HTTPHandle`).
+`vllm serve` process (`HTTPHandle`). The `nccl_sync` backend's weight-sync clients are these
+same handles (`transfer.clients`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class AsyncLLMHandle:
 
     def pause(self, mode: str) -> None:
         """Pause; `abort`/`wait` also clear the KV and prefix caches once the engine is idle."""
-        from vllm_nccl_sync.patches.vllm_pause import pause
+        from vllm_nccl_sync.integrations.vllm.patches.pause import pause
 
         self._cleared = False
         self._run(pause(self.engine, mode, clear_cache=mode != "keep"))
@@ -147,7 +148,7 @@ class HTTPHandle:
         import urllib.error
         import urllib.request
 
-        from vllm_nccl_sync.patches.vllm_lora import SCHEME
+        from vllm_nccl_sync.integrations.vllm.patches.lora import SCHEME
 
         with urllib.request.urlopen(self.url + "/v1/models", timeout=self._timeout) as r:
             served = {m.get("id") for m in json.loads(r.read()).get("data", [])}

@@ -5,17 +5,17 @@ vLLM's. Three ways, chosen per model (`mode="auto"`):
 
 * plain (GPU, unquantized): an in-place `copy_` into the existing parameters; CUDA graphs stay valid
   and nothing extra is allocated. What `load_weights` copied where is recorded on the first update
-  and replayed as plain copies after (`engine.copyplan`; off, with the reason, for a loader that
+  and replayed as plain copies after (`integrations.vllm.copyplan`; off, with the reason, for a loader that
   computes).
 * layerwise (quantized linears, e.g. `quantization="fp8"` online): the parameters hold kernel-format
   tensors (FP8, transposed, with scales), so checkpoint-format tensors go through vLLM's layerwise
   reload, which re-quantizes each layer once it is whole and copies the result into the original
-  storage (`patches.vllm_layerwise`; received tensors an incomplete layer still holds are cloned,
+  storage (`integrations.vllm.patches.layerwise`; received tensors an incomplete layer still holds are cloned,
   since the receive buffer is reused).
 * CPU backend, where vLLM packs linear weights after loading: `begin()`/`finish()` unpack and
-  re-pack them through `patches.vllm_cpu_repack`.
+  re-pack them through `integrations.vllm.patches.cpu_repack`.
 
-Whatever the mode, the per-layer rule of `patches.vllm_postload` applies on top: layers in kernel
+Whatever the mode, the per-layer rule of `integrations.vllm.patches.postload` applies on top: layers in kernel
 format that the mode does not cover (e.g. experts pre-packed by the CPU MoE backend) go through the
 layerwise reload on their own, and layers holding tensors derived from other layers (MLA's
 `W_UK_T`/`W_UV`) are re-processed in place after the update.
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.engine.copyplan import CopyPlan
-from vllm_nccl_sync.glue.model_slots import ModelSlots, tied_aliases
+from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
+from vllm_nccl_sync.integrations.vllm.model_slots import ModelSlots, tied_aliases
 from vllm_nccl_sync.wire.cuda_sums import copy_tapped
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def _fp8_blocks(vllm_config: Any) -> dict[str, tuple[int, int]]:
     if not block:
         return {}
     from vllm_nccl_sync.engine.handshake import local_model_dir, read_safetensors_index
-    from vllm_nccl_sync.patches.vllm_block_fp8 import blocks_of
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import blocks_of
 
     mc = vllm_config.model_config
     path = local_model_dir(mc.model, getattr(mc, "revision", None))
@@ -99,9 +99,9 @@ class VllmWeightLoader:
         self.mode = mode
         """auto: layerwise if a linear layer is quantized, else plain. The CPU backend re-packs
         whatever the mode."""
-        self._lw: Any = None  # patches.vllm_layerwise when used, False when not (resolved lazily)
+        self._lw: Any = None  # integrations.vllm.patches.layerwise when used, False when not (resolved lazily)
         self._lw_layers: list[torch.nn.Module] | None = None  # None: every layer goes layerwise
-        self._post: Any = None  # patches.vllm_postload (resolved lazily)
+        self._post: Any = None  # integrations.vllm.patches.postload (resolved lazily)
         self._lw_active = False  # a layerwise update is in progress
         self._retained_peak = 0
         # vLLM rejects a tied alias sent without its canonical name: see load()
@@ -112,13 +112,13 @@ class VllmWeightLoader:
             embed = [n for n in params if n.endswith("embed_tokens.weight")]
             if "lm_head.weight" not in params and len(embed) == 1:
                 self.aliases["lm_head.weight"] = embed[0]
-        self._cpu: Any = None  # patches.vllm_cpu_repack, on the CPU backend only
+        self._cpu: Any = None  # integrations.vllm.patches.cpu_repack, on the CPU backend only
         # layers unpacked by begin() and not yet re-packed (None: no update in progress)
         self._unpacked: list[Any] | None = None
         self.loaded: set[str] = set()
         self.stats: dict[str, int] = {}
         self._rows: dict[str, tuple[str, torch.Tensor, int, int] | None] = {}  # see _row_target
-        self._plan = CopyPlan()  # load_weights' copies, replayed (engine.copyplan)
+        self._plan = CopyPlan()  # load_weights' copies, replayed (integrations.vllm.copyplan)
         self._replay = False  # this update may replay them (plain loading: no layerwise)
         self._by_rows = 0  # tensors of this update loaded row by row
         self._layers: tuple[dict, dict] | None = None  # see _refreshed
@@ -128,45 +128,45 @@ class VllmWeightLoader:
         self._postload()  # refuses a model that cannot be updated in place, saying why
         self._fp8_blocks = _fp8_blocks(self.vllm_config)
         if getattr(self.vllm_config, "lora_config", None) is not None:
-            from vllm_nccl_sync.patches.vllm_lora import base_loads_through_wrappers
+            from vllm_nccl_sync.integrations.vllm.patches.lora import base_loads_through_wrappers
 
             base_loads_through_wrappers()  # base weights of a LoRA engine (vLLM 0.26)
 
     def _repacker(self) -> Any:
         if self._cpu is None:
-            from vllm_nccl_sync.patches import vllm_cpu_repack
+            from vllm_nccl_sync.integrations.vllm.patches import cpu_repack as cpu_repack_patch
 
-            self._cpu = vllm_cpu_repack if vllm_cpu_repack.applies() else False
+            self._cpu = cpu_repack_patch if cpu_repack_patch.applies() else False
             if self._cpu:
-                vllm_cpu_repack.check_version()
+                cpu_repack_patch.check_version()
         return self._cpu
 
     def _postload(self) -> Any:
-        """patches.vllm_postload; ValueError if the model cannot be updated in place."""
+        """integrations.vllm.patches.postload; ValueError if the model cannot be updated in place."""
         if self._post is None:
-            from vllm_nccl_sync.patches import vllm_postload
+            from vllm_nccl_sync.integrations.vllm.patches import postload as postload_patch
 
-            vllm_postload.check_version()
-            if why := vllm_postload.unsupported(self.model):
+            postload_patch.check_version()
+            if why := postload_patch.unsupported(self.model):
                 raise ValueError(f"this model cannot be updated in place: {why}")
-            self._post = vllm_postload
+            self._post = postload_patch
         return self._post
 
     def _layerwise(self) -> Any:
-        """patches.vllm_layerwise if any layer is loaded layerwise, else False (`_lw_layers`:
+        """integrations.vllm.patches.layerwise if any layer is loaded layerwise, else False (`_lw_layers`:
         which layers, None for all)."""
         if self._lw is None:
-            from vllm_nccl_sync.patches import vllm_layerwise
+            from vllm_nccl_sync.integrations.vllm.patches import layerwise as layerwise_patch
 
             whole = self.mode != "plain" and not self._repacker() and (
-                self.mode == "layerwise" or vllm_layerwise.applies(self.model))
+                self.mode == "layerwise" or layerwise_patch.applies(self.model))
             if not whole:  # the CPU backend always re-packs its linears; the rest by the rule
                 kernel = set(self._postload().transformed(self.model))
                 self._lw_layers = [m for n, m in self.model.named_modules() if n in kernel]
             use = whole or bool(self._lw_layers)
             if use:
-                vllm_layerwise.check_version()
-            self._lw = vllm_layerwise if use else False
+                layerwise_patch.check_version()
+            self._lw = layerwise_patch if use else False
         return self._lw
 
     def begin(self) -> None:
@@ -190,7 +190,7 @@ class VllmWeightLoader:
             self._plan.refresh(self._params())
 
     def _refreshed(self) -> tuple[dict, dict]:
-        """The layers `finish` refreshes (`vllm_postload.expert_layers`, `derived_layers`):
+        """The layers `finish` refreshes (`patches.postload.expert_layers`, `derived_layers`):
         found once, a model's modules do not change after start-up."""
         if self._layers is None:
             post = self._postload()
@@ -199,7 +199,7 @@ class VllmWeightLoader:
 
     def _params(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer under every name, as it is now (what replayed copies may
-        write); their places are found once (`glue.model_slots`)."""
+        write); their places are found once (`integrations.vllm.model_slots`)."""
         if self._slots is None:
             self._slots = ModelSlots(self.model)
         return self._slots.now()
@@ -231,7 +231,7 @@ class VllmWeightLoader:
             raise RuntimeError("VllmWeightLoader.load() called before begin()")
         batch = self._batch(named_tensors)
         if self._fp8_blocks:  # bf16 for a block-FP8 weight: quantized as the checkpoint is
-            from vllm_nccl_sync.patches.vllm_block_fp8 import expand
+            from vllm_nccl_sync.integrations.vllm.block_fp8 import expand
 
             batch = expand(batch, self._fp8_blocks)
         if self._replay:

@@ -15,7 +15,7 @@ Until the update commits, `abort` restores exactly what was there before (the ol
 old registration), so a failed adapter update leaves the adapter as it was and base weights are
 never touched. Requests name a pushed adapter with `lora_request(name, id)`: its path
 `nccl-sync://<name>` tells vLLM to rebuild it from this worker's memory whenever vLLM's own caches
-need it again (`patches.vllm_lora.serve_from_memory`). Semantics: docs/lora.md.
+need it again (`patches.lora.serve_from_memory`). Semantics: docs/lora.md.
 
 vLLM is imported lazily.
 """
@@ -37,7 +37,7 @@ def lora_request(name: str, lora_id: int) -> Any:
     engine (its path points at worker memory, not at a file)."""
     from vllm.lora.request import LoRARequest
 
-    from vllm_nccl_sync.patches.vllm_lora import SCHEME
+    from vllm_nccl_sync.integrations.vllm.patches.lora import SCHEME
 
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=SCHEME + name)
 
@@ -62,33 +62,33 @@ class AdapterStore:
         """`manager`: the worker's `WorkerLoRAManager` (see `for_worker`, `for_model`);
         `reference`: the base model's HF tensors, to check adapter shapes against (None: the
         shapes are only checked against the adapter's rank)."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
-        vllm_lora.check_version()
+        lora_patch.check_version()
         if manager is None:
             raise RuntimeError("this engine runs without LoRA (start it with enable_lora=True)")
         self.wm = manager
         self.reference = reference
         self.held: dict[str, HeldAdapter] = {}
-        vllm_lora.serve_from_memory(self.wm, self._rebuild)
+        lora_patch.serve_from_memory(self.wm, self._rebuild)
 
     @classmethod
     def for_worker(cls, worker: Any, reference: Reference | None) -> AdapterStore:
         """The store of a vLLM worker (the worker extension)."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
-        return cls(vllm_lora.worker_manager(worker), reference)
+        return cls(lora_patch.worker_manager(worker), reference)
 
     @classmethod
     def for_model(cls, model: Any, reference: Reference | None) -> AdapterStore:
         """The store of a weight-transfer engine, which vLLM hands the model only."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
-        return cls(vllm_lora.manager_of_model(model), reference)
+        return cls(lora_patch.manager_of_model(model), reference)
 
     def _rebuild(self, name: str, lora_id: int) -> Any:
         """vLLM needs adapter `name` under `lora_id` (evicted earlier, or a new id)."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
         held = self.held.get(name)
         if held is None:
@@ -97,8 +97,8 @@ class AdapterStore:
         if owner not in (None, name):
             raise ValueError(f"LoRA id {lora_id} already names adapter {owner!r}")
         s = held.spec
-        model = vllm_lora.build(self.wm, lora_id, _clones(held.tensors),
-                                vllm_lora.peft_helper(self.wm, s.rank, s.alpha, s.target_modules))
+        model = lora_patch.build(self.wm, lora_id, _clones(held.tensors),
+                                lora_patch.peft_helper(self.wm, s.rank, s.alpha, s.target_modules))
         held.ids.add(lora_id)
         return model
 
@@ -139,18 +139,18 @@ class AdapterLoader:
 
     def begin(self) -> None:
         """Check the adapter's config against the engine's LoRA config (rank, features)."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
         s = self.spec
         if s.id < 1:
             raise ValueError(f"adapter {s.name!r}: id {s.id} must be >= 1")
         if not s.name or s.name.startswith("/"):
             raise ValueError(f"adapter name {s.name!r} must be non-empty and not a path")
-        self._helper = vllm_lora.peft_helper(self.store.wm, s.rank, s.alpha, s.target_modules)
+        self._helper = lora_patch.peft_helper(self.store.wm, s.rank, s.alpha, s.target_modules)
         self.incoming = {}
 
     def _check(self, name: str, t: torch.Tensor) -> None:
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
         module, is_a = split_name(name)
         leaf = module.rsplit(".", 1)[-1]
@@ -158,7 +158,7 @@ class AdapterLoader:
         if s.target_modules and leaf not in s.target_modules:
             raise ValueError(f"tensor {name!r}: module {leaf!r} is not among the adapter's "
                              f"target_modules {list(s.target_modules)}")
-        allowed = vllm_lora.expected_modules(self.store.wm)
+        allowed = lora_patch.expected_modules(self.store.wm)
         if leaf not in allowed:
             raise ValueError(f"tensor {name!r}: this engine attaches no LoRA to {leaf!r} "
                              f"(it takes {sorted(allowed)})")
@@ -191,7 +191,7 @@ class AdapterLoader:
 
     def finish(self) -> None:
         """Build the adapter (every check that can fail runs here first), then swap it in."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
         wm, s = self.store.wm, self.spec
         modules: dict[str, set[bool]] = {}
@@ -205,36 +205,36 @@ class AdapterLoader:
         owner = self.store.owner(s.id)
         if owner not in (None, s.name):
             raise ValueError(f"adapter {s.name!r}: id {s.id} already names adapter {owner!r}")
-        if owner is None and vllm_lora.registered(wm, s.id) is not None:
+        if owner is None and lora_patch.registered(wm, s.id) is not None:
             raise ValueError(f"adapter {s.name!r}: id {s.id} is taken by an adapter this engine "
                              "loaded from elsewhere")
-        new = vllm_lora.build(wm, s.id, _clones(self.incoming), self._helper)
+        new = lora_patch.build(wm, s.id, _clones(self.incoming), self._helper)
         prev = self.store.held.get(s.name)
         ids = (set(prev.ids) if prev is not None else set()) | {s.id}
         # The pushed id is added if missing; other ids (e.g. `vllm serve`'s) are changed where
         # registered, and otherwise rebuilt from the new tensors when vLLM next needs them.
         targets = {s.id: new}
         for lora_id in sorted(ids - {s.id}):
-            if vllm_lora.registered(wm, lora_id) is not None:
-                targets[lora_id] = vllm_lora.build(wm, lora_id, _clones(self.incoming),
+            if lora_patch.registered(wm, lora_id) is not None:
+                targets[lora_id] = lora_patch.build(wm, lora_id, _clones(self.incoming),
                                                    self._helper)
         # Nothing has changed so far; from here on every step is recorded for `abort`.
         self._prev, self._applied = prev, True
         self.store.held[s.name] = HeldAdapter(s, self.incoming, set(ids))
         in_place = swapped = 0
         for lora_id, model in targets.items():
-            old = vllm_lora.registered(wm, lora_id)
-            if old is not None and vllm_lora.same_layout(old, model):
-                self._undo.append(("copy", lora_id, old, vllm_lora.clone_weights(old)))
-                vllm_lora.copy_weights(old, model)
-                slot = vllm_lora.slot_of(wm, lora_id)
+            old = lora_patch.registered(wm, lora_id)
+            if old is not None and lora_patch.same_layout(old, model):
+                self._undo.append(("copy", lora_id, old, lora_patch.clone_weights(old)))
+                lora_patch.copy_weights(old, model)
+                slot = lora_patch.slot_of(wm, lora_id)
                 if slot is not None:
-                    vllm_lora.write_slot(wm, slot, old)
+                    lora_patch.write_slot(wm, slot, old)
                 in_place += 1
             else:
-                slot = None if old is None else vllm_lora.slot_of(wm, lora_id)
+                slot = None if old is None else lora_patch.slot_of(wm, lora_id)
                 self._undo.append(("swap", lora_id, old, slot))
-                vllm_lora.reregister(wm, None if old is None else lora_id, model)
+                lora_patch.reregister(wm, None if old is None else lora_id, model)
                 swapped += 1
         self.stats = {"in_place": in_place, "registered": swapped,
                       "tensors": len(self.incoming)}
@@ -242,19 +242,19 @@ class AdapterLoader:
 
     def abort(self) -> None:
         """Undo `finish` (old tensors, slots and registrations back); drop what was received."""
-        from vllm_nccl_sync.patches import vllm_lora
+        from vllm_nccl_sync.integrations.vllm.patches import lora as lora_patch
 
         wm = self.store.wm
         for entry in reversed(self._undo):
             if entry[0] == "copy":
                 _, lora_id, live, backup = entry
-                vllm_lora.copy_weights(live, backup)
-                slot = vllm_lora.slot_of(wm, lora_id)
+                lora_patch.copy_weights(live, backup)
+                slot = lora_patch.slot_of(wm, lora_id)
                 if slot is not None:
-                    vllm_lora.write_slot(wm, slot, live)
+                    lora_patch.write_slot(wm, slot, live)
             else:
                 _, lora_id, old, slot = entry
-                vllm_lora.restore(wm, lora_id, old, slot)
+                lora_patch.restore(wm, lora_id, old, slot)
         self._undo = []
         if self._applied:
             if self._prev is None:

@@ -17,6 +17,7 @@ import torch
 
 from vllm_nccl_sync.engine.handshake import Reference, checkpoint_reference
 from vllm_nccl_sync.engine.session import EngineSession, Placement
+from vllm_nccl_sync.integrations.vllm.checksums import VllmLayout
 from vllm_nccl_sync.planes.base import local_address
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import dtype_name
@@ -82,18 +83,18 @@ def vllm_session(worker: Any, adapters: Callable[[Any, Reference | None], Any]) 
     """The session of a vLLM worker, or of anything shaped like one (`model_runner.model`,
     `device`, `vllm_config`); `adapters(worker, reference)` makes its LoRA adapter store when the
     engine runs with LoRA enabled (`lora.AdapterStore.for_worker` or `for_model`)."""
-    from vllm_nccl_sync.patches.vllm_sleep import install
+    from vllm_nccl_sync.integrations.vllm.patches.sleep import install
 
     install()  # in case the plugin entry point did not run in this process (idempotent)
     lora = getattr(worker.vllm_config, "lora_config", None) is not None
     return EngineSession(lambda: worker.model_runner.model, _tensor_parallel,
                          (lambda: adapters(worker, reference(worker.vllm_config))) if lora
-                         else None)
+                         else None, VllmLayout)
 
 
 def loaders(worker: Any) -> Callable[[], Any]:
     """The `VllmWeightLoader` of `worker`'s current model, made once per model object."""
-    from vllm_nccl_sync.glue.vllm_loader import VllmWeightLoader
+    from vllm_nccl_sync.integrations.vllm.loader import VllmWeightLoader
 
     held: list[Any] = []
 

@@ -16,8 +16,8 @@ def require_vllm(patch: str, supported: tuple[str, ...], check: str) -> str:
 
     version = vllm.__version__
     if not version.startswith(supported):
-        raise RuntimeError(f"vllm_nccl_sync.patches.{patch} supports vLLM {supported}, found "
-                           f"{version}; check {check}")
+        raise RuntimeError(f"{__name__}.{patch} supports vLLM {supported}, found {version}; "
+                           f"check {check}")
     return version
 
 

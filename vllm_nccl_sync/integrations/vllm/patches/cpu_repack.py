@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.patches import require_vllm
+from vllm_nccl_sync.integrations.vllm.patches import require_vllm
 
 SUPPORTED = ("0.32.",)
 """vLLM versions (prefixes) whose CPU packing this patch was written against."""
@@ -37,7 +37,7 @@ SUPPORTED = ("0.32.",)
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    return require_vllm("vllm_cpu_repack", SUPPORTED, "dispatch_cpu_unquantized_gemm (vllm/model_executor/layers/utils.py)")
+    return require_vllm("cpu_repack", SUPPORTED, "dispatch_cpu_unquantized_gemm (vllm/model_executor/layers/utils.py)")
 
 
 def applies() -> bool:

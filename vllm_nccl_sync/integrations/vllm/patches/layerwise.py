@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.patches import require_vllm
+from vllm_nccl_sync.integrations.vllm.patches import require_vllm
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _MARK = "_nccl_sync_retained"  # set on our clones, so a later bucket does not c
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    return require_vllm("vllm_layerwise", SUPPORTED, "vllm/model_executor/model_loader/reload/layerwise.py")
+    return require_vllm("layerwise", SUPPORTED, "vllm/model_executor/model_loader/reload/layerwise.py")
 
 
 def applies(model: torch.nn.Module) -> bool:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.patches import require_vllm
+from vllm_nccl_sync.integrations.vllm.patches import require_vllm
 
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose LoRA manager this module was written against."""
@@ -51,7 +51,7 @@ SCHEME = "nccl-sync://"
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    return require_vllm("vllm_lora", SUPPORTED, "vllm/lora/worker_manager.py and vllm/lora/model_manager.py")
+    return require_vllm("lora", SUPPORTED, "vllm/lora/worker_manager.py and vllm/lora/model_manager.py")
 
 
 def _lora_model_cls() -> type:

@@ -17,7 +17,7 @@ The rule, per layer, from those structures:
   a fused-MoE layer that is quantized or whose unquantized backend re-lays the experts out (every
   backend but the Triton ones: CPU pre-packing, FlashInfer/AITER shuffles, XPU transposes). A
   plain `load_weights` into these would write checkpoint values into kernel layout, silently
-  wrong; they are loaded through vLLM's layerwise reload (`patches.vllm_layerwise`), which
+  wrong; they are loaded through vLLM's layerwise reload (`integrations.vllm.patches.layerwise`), which
   re-runs their processing and copies the result into the original storage.
 * **derived** (`derived_layers`): a deferred attention layer that keeps its own copy of values
   computed from another layer's weights: MLA's `W_UK_T`/`W_UV` from `kv_b_proj`. After an update
@@ -28,7 +28,7 @@ The rule, per layer, from those structures:
   on the first load, so after the layerwise reload `refresh_experts` re-runs it in place.
 * everything else (unquantized linears on GPU, norms, embeddings, routers) holds checkpoint
   values: a plain in-place load is right. (Unquantized linears on the CPU backend are packed:
-  `patches.vllm_cpu_repack`.)
+  `integrations.vllm.patches.cpu_repack`.)
 
 `unsupported` names what cannot be updated in place at all (a model-level post-load hook); the
 loader refuses such a model when it is created, with the reason.
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.patches import require_vllm
+from vllm_nccl_sync.integrations.vllm.patches import require_vllm
 
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose post-load processing this module was written against."""
@@ -51,7 +51,7 @@ _IDENTITY_MOE_BACKENDS = {"TRITON", "BATCHED_TRITON"}
 
 def check_version() -> str:
     """Return the installed vLLM version; raise RuntimeError unless this module supports it."""
-    return require_vllm("vllm_postload", SUPPORTED, "vllm/model_executor/model_loader/utils.py (process_weights_after_loading)")
+    return require_vllm("postload", SUPPORTED, "vllm/model_executor/model_loader/utils.py (process_weights_after_loading)")
 
 
 def _moe_reason(m: torch.nn.Module) -> str | None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_nccl_sync.engine.residency import residency
-from vllm_nccl_sync.patches import plugin
+from vllm_nccl_sync.integrations.vllm.patches import plugin
 
 SUPPORTED = ("0.26.", "0.32.")
 _MARK = "_vllm_nccl_sync_watched"

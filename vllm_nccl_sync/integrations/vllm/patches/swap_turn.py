@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from vllm_nccl_sync.outcomes import CARRY_RPC, ENDS_UPDATE, committed_version, version_label
-from vllm_nccl_sync.patches import plugin
+from vllm_nccl_sync.integrations.vllm.patches import plugin
 
 log = logging.getLogger(__name__)
 

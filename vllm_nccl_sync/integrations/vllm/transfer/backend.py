@@ -47,8 +47,8 @@ BACKEND = "nccl_sync"
 SUPPORTED = ("0.26.", "0.32.")
 """vLLM versions (prefixes) whose weight-transfer API this backend was written against."""
 
-WORKER_ENGINE = ("vllm_nccl_sync.glue.transfer_engine", "NcclSyncWeightTransferEngine")
-TRAINER_ENGINE = ("vllm_nccl_sync.glue.transfer_trainer", "NcclSyncTrainerEngine")
+WORKER_ENGINE = ("vllm_nccl_sync.integrations.vllm.transfer.engine", "NcclSyncWeightTransferEngine")
+TRAINER_ENGINE = ("vllm_nccl_sync.integrations.vllm.transfer.trainer", "NcclSyncTrainerEngine")
 
 
 class UnsupportedVllm(SyncError, RuntimeError):
@@ -80,7 +80,7 @@ def check_version() -> Surface:
             f"vllm_nccl_sync's weight-transfer backend {BACKEND!r} supports vLLM "
             f"{', '.join(v + 'x' for v in SUPPORTED)}; found vLLM {version}. Check "
             "vllm/distributed/weight_transfer/base.py and factory.py against "
-            "vllm_nccl_sync/patches/vllm_weight_transfer.py, or use the worker extension "
+            "vllm_nccl_sync/integrations/vllm/transfer/backend.py, or use the worker extension "
             "(--worker-extension-cls vllm_nccl_sync.Ext) instead."
         )
     new = version.startswith("0.32.")

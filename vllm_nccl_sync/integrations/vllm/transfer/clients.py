@@ -1,5 +1,6 @@
-"""vLLM's weight-sync clients as the `nccl_sync` trainer engine drives them: an in-process
-`LLM` or `AsyncLLM` wrapped as a `VLLMWeightSyncClient`, and what vLLM said when a call failed."""
+"""vLLM's weight-sync clients as the `nccl_sync` trainer engine drives them: the engine handles
+of an in-process `LLM` or `AsyncLLM` (`integrations.vllm.handles`) as `VLLMWeightSyncClient`s,
+and what vLLM said when a call failed."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle, LLMHandle
 from vllm_nccl_sync.outcomes import clip
 
 
-class OfflineClient:
+class OfflineClient(LLMHandle):
     """`VLLMWeightSyncClient` over an in-process `vllm.LLM` (whose methods take vLLM's request
-    objects). `trainer_init` wraps an `LLM` passed as the client in this on its own."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    objects): the `LLMHandle` `WeightSync` drives, with vLLM's weight-sync calls. `trainer_init`
+    wraps an `LLM` passed as the client in this on its own."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
@@ -43,19 +43,10 @@ class OfflineClient:
         return self.llm.get_weight_version()
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(AsyncLLMHandle):
     """`VLLMWeightSyncClient` over an in-process `AsyncLLM` whose event loop `loop` runs in
-    another thread (a rollout server); each call blocks this thread until the loop ran it, at
-    most `call_timeout_s`."""
-
-    def __init__(self, engine: Any, loop: Any, *, call_timeout_s: float = 600.0) -> None:
-        self.engine, self.loop = engine, loop
-        self._timeout = call_timeout_s
-
-    def _run(self, coro: Any) -> Any:
-        import asyncio
-
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self._timeout)
+    another thread (a rollout server): the `AsyncLLMHandle` `WeightSync` drives, with vLLM's
+    weight-sync calls; each blocks this thread until the loop ran it, at most `call_timeout_s`."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._run(self.engine.init_weight_transfer_engine(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_nccl_sync.patches.vllm_weight_transfer import check_version
+from vllm_nccl_sync.integrations.vllm.transfer.backend import check_version
 
 SURFACE = check_version()  # raises UnsupportedVllm, naming the supported versions, elsewhere
 
@@ -65,8 +65,8 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device,
                  model: torch.nn.Module) -> None:
-        from vllm_nccl_sync.glue.lora import AdapterStore
-        from vllm_nccl_sync.glue.worker import vllm_session
+        from vllm_nccl_sync.integrations.vllm.lora import AdapterStore
+        from vllm_nccl_sync.integrations.vllm.worker import vllm_session
 
         super().__init__(config, vllm_config, device, model)
         self.worker = _Worker(self)
@@ -78,7 +78,7 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
 
     def init_transfer_engine(self, init_info: NcclSyncInitInfo) -> None:
         """Join the trainer's transfer group (blocks until the trainer connects, bounded)."""
-        from vllm_nccl_sync.glue.worker import join, loaders
+        from vllm_nccl_sync.integrations.vllm.worker import join, loaders
 
         cfg = SyncConfig.from_dict(dict(init_info.sync_config))  # ValueError names the field
         self.shutdown()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-from vllm_nccl_sync.patches.vllm_weight_transfer import BACKEND, check_version, register
+from vllm_nccl_sync.integrations.vllm.transfer.backend import BACKEND, check_version, register
 
 SURFACE = check_version()  # raises UnsupportedVllm, naming the supported versions, elsewhere
 
@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightSource,
 )
 
-from vllm_nccl_sync.glue.transfer_clients import (  # noqa: E402
+from vllm_nccl_sync.integrations.vllm.transfer.clients import (  # noqa: E402
     as_client,
     error_text,
 )
