@@ -1,11 +1,11 @@
-"""Where a model's weights are, as vLLM's sleep mode and its other weight calls leave them.
+"""Where a model's weights are, as the engine's sleep calls and its other weight calls leave them.
 
-Colocated trainers put the engine to sleep while they step: level 1 offloads the weights to host
-memory (restored by `wake_up`), level 2 discards them (after `wake_up(tags=["weights"])` the
-parameters hold whatever the fresh allocation holds). vLLM 0.32 can also `discard` the weights
-or zero them (`reset_weights`), and `reload_weights` loads them again from the checkpoint. None
-of these goes through an update, so the worker records them here (`integrations.vllm.patches.sleep` wraps
-those calls) and the session reads them:
+Colocated trainers put the engine to sleep while they step: it may offload the weights to host
+memory (restored on waking), discard them (after waking the parameters hold whatever the fresh
+allocation holds), zero them, or load them again from the checkpoint. None of these goes through
+an update, so the engine's integration records them here (vLLM's sleep levels 1 and 2,
+`discard`, `reset_weights` and `reload_weights`: `integrations/vllm/patches/sleep.py`) and
+the session reads them:
 
 * weights asleep: an update is refused before any byte moves (writing into unmapped memory
   would take the engine down), and so are checksums;
