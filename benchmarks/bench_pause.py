@@ -28,7 +28,8 @@ engine's pause, reset, resume and first step) is the GPU engine's own. Per updat
   stall        the gap in the engine's token stream (all clients) that contains the push's start:
                last token before it to the first one after; what a user sees as the pause,
                the first step after the resume included
-  phases       last token -> pause called; pause call (`integrations/vllm/patches/pause.py`: the engine core's
+  phases       last token -> pause called; pause call (`integrations/vllm/patches/pause.py`: the
+  engine core's
                pause without `pause_generation`'s closing 20 ms sleep, on the vLLM versions it
                checks); pause returned -> push; push; push returned -> receive RPCs
                returned; prefix-cache reset; resume; resume returned -> first token (the first

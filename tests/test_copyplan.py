@@ -1,4 +1,5 @@
-"""`integrations.vllm.copyplan`: a loader's copies recorded once, replayed as plain copies after, bit for
+"""`integrations.vllm.copyplan`: a loader's copies recorded once, replayed as plain copies after,
+bit for
 bit what the loader writes; any loader that computes, or writes outside the parameters, turns
 replay off with the reason. Real vLLM engines replay in `tests/test_vllm_engine.py`."""
 

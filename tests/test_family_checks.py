@@ -113,7 +113,13 @@ def test_block_fp8_quantization_is_the_checkpoint_makers_bit_for_bit(tmp_path):
     moves scales and FP8 values, so this check would see that difference."""
     import torch
 
-    from vllm_nccl_sync.integrations.vllm.block_fp8 import FP8_MAX, SCALE, blocks_of, expand, quantize
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import (
+        FP8_MAX,
+        SCALE,
+        blocks_of,
+        expand,
+        quantize,
+    )
     from vllm_nccl_sync.testing import FP8_BLOCK, make_block_fp8
     from vllm_nccl_sync.verify import checkpoint_tensors
 

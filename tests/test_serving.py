@@ -220,7 +220,8 @@ def _check_spans(mode: str, finished: list, before: str, version: int) -> None:
 
 
 def test_async_llm_pause_goes_straight_to_the_engine_core(async_engine):
-    """The handle pauses through the engine core (`integrations/vllm/patches/pause.py`), never through
+    """The handle pauses through the engine core (`integrations/vllm/patches/pause.py`), never
+    through
     `pause_generation` and its closing sleep, on this vLLM; the engine is paused, then resumed."""
     from vllm_nccl_sync.integrations.vllm.patches import pause as pause_patch
 

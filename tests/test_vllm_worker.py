@@ -1,4 +1,5 @@
-"""Transfer ranks from vLLM's parallel config (`integrations.vllm.worker.worker_rank`), shared by `Ext` and the
+"""Transfer ranks from vLLM's parallel config (`integrations.vllm.worker.worker_rank`), shared by
+`Ext` and the
 `nccl_sync` weight-transfer backend: unique and dense across TP, PP and DP replicas."""
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def as_push_error(e: BaseException, what: str, side: str) -> PushError:
 
 CARRY_RPC = "nccl_sync_swap_carry"
 """The worker RPC of a swap with running requests kept in flight (`pause_mode="carry"`). vLLM's
-engine core takes it (`integrations.vllm.patches.swap_turn`); a worker it reaches answers, without loading,
+engine core takes it (`integrations.vllm.patches.swap_turn`); a worker it reaches answers, without
+loading,
 a summary whose `carry` is `CARRY_UNSUPPORTED`."""
 CARRY_UNSUPPORTED = "unsupported"
 ENDS_UPDATE = ("nccl_sync_receive", "nccl_sync_swap", CARRY_RPC)

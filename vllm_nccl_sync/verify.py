@@ -1,7 +1,8 @@
 """Does the engine really hold these weights? Per-tensor sha256, trainer/checkpoint vs engine.
 
 Engine side: `nccl_sync_checksums(names)` hashes the parameters as the worker holds them
-(`integrations.vllm.checksums.module_checksums`, re-exported here), under the engine's names. This side:
+(`integrations.vllm.checksums.module_checksums`, re-exported here), under the engine's names. This
+side:
 `verify(source, engine)` hashes a safetensors checkpoint directory or live `(name, tensor)` pairs
 under the HF names and compares.
 

@@ -1,7 +1,8 @@
 """One engine worker's side of the transfer group, behind every front door.
 
 The vLLM worker extension (`integrations.vllm.ext.Ext`), vLLM's weight-transfer engine `nccl_sync`
-(`integrations.vllm.transfer.engine`) and SGLang's custom loader (`integrations.sglang`) are thin adapters over one
+(`integrations.vllm.transfer.engine`) and SGLang's custom loader (`integrations.sglang`) are thin
+adapters over one
 `EngineSession`: it joins (and re-joins) the trainer's group, keeps what outlives a re-join (the
 versions held, consistency, counters, the LoRA adapters pushed), receives updates into the
 engine's loader, and reports state, adapters, checksums, parameter pointers and metrics. What is
@@ -191,7 +192,8 @@ class EngineSession:
     def cannot_carry(self) -> WorkerSummary:
         """The answer to `outcomes.CARRY_RPC` when it reaches the worker: the engine around it
         did not take the call (vLLM's engine core swaps and drops its prefix cache in one turn,
-        `integrations.vllm.patches.swap_turn`), so nothing is loaded; the trainer swaps under a pause."""
+        `integrations.vllm.patches.swap_turn`), so nothing is loaded; the trainer swaps under a
+        pause."""
         return WorkerSummary(
             ok=False, rank=self.receiver.rank if self.receiver else -1,
             version=self.state.version, consistent=self.state.consistent,

@@ -277,7 +277,8 @@ class WeightSync:
 
     def _carry(self, asleep: list[bool]) -> list[Outcome]:
         """Every engine's swap in one turn of its engine core, requests kept in flight
-        (`integrations.vllm.patches.swap_turn`); an engine whose core does not take that call swaps under a
+        (`integrations.vllm.patches.swap_turn`); an engine whose core does not take that call swaps
+        under a
         `keep` pause instead."""
         t = self.cfg.timeout_s
         bound = engine_call_s(t)

@@ -48,7 +48,8 @@ class PushResult:
     """Dtypes this sender cast on the way (`{"bfloat16": "float32"}`: from -> to)."""
     live: list[dict[str, Any]] = field(default_factory=list)
     """`WeightSync.update`: per engine, when the update went live there, as its engine core
-    reported it (`integrations.vllm.patches.swap_turn`): `version`, vLLM's `label` ("" where this vLLM has
+    reported it (`integrations.vllm.patches.swap_turn`): `version`, vLLM's `label` ("" where this
+    vLLM has
     none) and `time` (`time.time()` of the engine-core turn); {} where it did not report."""
 
     @property

@@ -1,7 +1,9 @@
-"""SGLang's side of `integrations.sglang`: the custom weight loader that runs commands in each TP worker.
+"""SGLang's side of `integrations.sglang`: the custom weight loader that runs commands in each TP
+worker.
 
 SGLang calls `load(model_runner.model, named_tensors)` in every TP scheduler process (see
-`integrations.sglang`); a command travels as the only named tensor (its name carries JSON, the tensor is
+`integrations.sglang`); a command travels as the only named tensor (its name carries JSON, the
+tensor is
 empty) and runs on that worker's `EngineSession`: `join` (rank `rank_offset + pp_rank * tp +
 tp_rank`, plans checked against the checkpoint's safetensors headers), `receive` (through the
 model's own `load_weights`, in place), `state`, `adapters`, `param_ptrs`, `checksums`,

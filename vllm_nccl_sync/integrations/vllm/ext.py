@@ -30,7 +30,7 @@ class Ext:
         """Join the trainer's transfer group; blocks until the trainer's `connect()` meets it.
 
         This worker's rank is `rank_offset + replica * workers_per_replica + local rank`, from
-        vLLM's parallel config (`integrations.vllm.worker.worker_rank`, shared with the `nccl_sync` backend).
+        vLLM's parallel config (`worker.worker_rank`, shared with the `nccl_sync` backend).
         """
         from vllm_nccl_sync.integrations.vllm.worker import join, loaders
         from vllm_nccl_sync.wire.config import SyncConfig
@@ -60,7 +60,7 @@ class Ext:
 
     def nccl_sync_swap_carry(self, timeout_s: float | None = None) -> dict[str, Any]:
         """`nccl_sync_swap` with running requests kept in flight: vLLM's engine core takes this
-        call (`integrations.vllm.patches.swap_turn`) and swaps and drops the prefix cache in one turn; a
+        call (`patches.swap_turn`) and swaps and drops the prefix cache in one turn; a
         worker it reaches is in an engine whose core did not, and refuses, loading nothing."""
         return self._nccl_sync_session().cannot_carry().to_dict()
 

@@ -5,17 +5,17 @@ vLLM's. Three ways, chosen per model (`mode="auto"`):
 
 * plain (GPU, unquantized): an in-place `copy_` into the existing parameters; CUDA graphs stay valid
   and nothing extra is allocated. What `load_weights` copied where is recorded on the first update
-  and replayed as plain copies after (`integrations.vllm.copyplan`; off, with the reason, for a loader that
+  and replayed as plain copies after (`copyplan`; off, with the reason, for a loader that
   computes).
 * layerwise (quantized linears, e.g. `quantization="fp8"` online): the parameters hold kernel-format
   tensors (FP8, transposed, with scales), so checkpoint-format tensors go through vLLM's layerwise
   reload, which re-quantizes each layer once it is whole and copies the result into the original
-  storage (`integrations.vllm.patches.layerwise`; received tensors an incomplete layer still holds are cloned,
+  storage (`patches.layerwise`; received tensors an incomplete layer still holds are cloned,
   since the receive buffer is reused).
 * CPU backend, where vLLM packs linear weights after loading: `begin()`/`finish()` unpack and
-  re-pack them through `integrations.vllm.patches.cpu_repack`.
+  re-pack them through `patches.cpu_repack`.
 
-Whatever the mode, the per-layer rule of `integrations.vllm.patches.postload` applies on top: layers in kernel
+Whatever the mode, the per-layer rule of `patches.postload` applies on top: layers in kernel
 format that the mode does not cover (e.g. experts pre-packed by the CPU MoE backend) go through the
 layerwise reload on their own, and layers holding tensors derived from other layers (MLA's
 `W_UK_T`/`W_UV`) are re-processed in place after the update.
@@ -99,7 +99,7 @@ class VllmWeightLoader:
         self.mode = mode
         """auto: layerwise if a linear layer is quantized, else plain. The CPU backend re-packs
         whatever the mode."""
-        self._lw: Any = None  # integrations.vllm.patches.layerwise when used, False when not (resolved lazily)
+        self._lw: Any = None  # patches.layerwise when used, False when not (resolved lazily)
         self._lw_layers: list[torch.nn.Module] | None = None  # None: every layer goes layerwise
         self._post: Any = None  # integrations.vllm.patches.postload (resolved lazily)
         self._lw_active = False  # a layerwise update is in progress
@@ -142,7 +142,7 @@ class VllmWeightLoader:
         return self._cpu
 
     def _postload(self) -> Any:
-        """integrations.vllm.patches.postload; ValueError if the model cannot be updated in place."""
+        """patches.postload; ValueError if the model cannot be updated in place."""
         if self._post is None:
             from vllm_nccl_sync.integrations.vllm.patches import postload as postload_patch
 
@@ -153,7 +153,7 @@ class VllmWeightLoader:
         return self._post
 
     def _layerwise(self) -> Any:
-        """integrations.vllm.patches.layerwise if any layer is loaded layerwise, else False (`_lw_layers`:
+        """patches.layerwise if any layer is loaded layerwise, else False (`_lw_layers`:
         which layers, None for all)."""
         if self._lw is None:
             from vllm_nccl_sync.integrations.vllm.patches import layerwise as layerwise_patch

@@ -17,7 +17,7 @@ The rule, per layer, from those structures:
   a fused-MoE layer that is quantized or whose unquantized backend re-lays the experts out (every
   backend but the Triton ones: CPU pre-packing, FlashInfer/AITER shuffles, XPU transposes). A
   plain `load_weights` into these would write checkpoint values into kernel layout, silently
-  wrong; they are loaded through vLLM's layerwise reload (`integrations.vllm.patches.layerwise`), which
+  wrong; they are loaded through vLLM's layerwise reload (`patches.layerwise`), which
   re-runs their processing and copies the result into the original storage.
 * **derived** (`derived_layers`): a deferred attention layer that keeps its own copy of values
   computed from another layer's weights: MLA's `W_UK_T`/`W_UV` from `kv_b_proj`. After an update
@@ -28,7 +28,7 @@ The rule, per layer, from those structures:
   on the first load, so after the layerwise reload `refresh_experts` re-runs it in place.
 * everything else (unquantized linears on GPU, norms, embeddings, routers) holds checkpoint
   values: a plain in-place load is right. (Unquantized linears on the CPU backend are packed:
-  `integrations.vllm.patches.cpu_repack`.)
+  `patches.cpu_repack`.)
 
 `unsupported` names what cannot be updated in place at all (a model-level post-load hook); the
 loader refuses such a model when it is created, with the reason.
