@@ -233,7 +233,7 @@ def driver(args) -> dict:
         path = save_config(os.path.join(tmp, "model"), d)
         kw = {}
         if args.cpu_smoke:
-            from vllm_nccl_sync.testing import engine_kwargs
+            from vllm_nccl_sync.tiny import engine_kwargs
 
             kw = engine_kwargs(dtype="bfloat16", max_model_len=256)
         else:

@@ -294,8 +294,8 @@ def run(args: Any) -> dict:
     from pause_analysis import analyse, spanned, step_interval, summarise, table
     from trainer_proc import RemoteClient, host_tensors
 
+    from tests.helpers import stop_async_llm
     from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle
-    from vllm_nccl_sync.testing import stop_async_llm
     from vllm_nccl_sync.trainer.sync import WeightSync
 
     if args.cpu_smoke:

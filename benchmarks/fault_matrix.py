@@ -9,7 +9,7 @@ multiprocess engine core; with `--gpu` on cuda:1 with torch.compile and CUDA gra
 (`PushClient`; with `--gpu` on cuda:0). This orchestrator drives them over socket pairs; every
 wait is bounded, and every process started is asked to exit, then its process group SIGKILLed.
 Scenarios run concurrently (`--parallel`: all with `--gpu`, one at a time with `--cpu`). The model
-is `vllm_nccl_sync.testing`'s tiny fp32 qwen2 in 64 KiB buckets (~26); transformers' greedy output
+is `vllm_nccl_sync.tiny`'s tiny fp32 qwen2 in 64 KiB buckets (~26); transformers' greedy output
 is computed on CPU in fp32, as in tests/test_gpu_vllm.py. With `--gpu` the first engine starts
 alone (its torch.compile cache then serves the others), and each engine takes
 gpu_memory_utilization 0.08 with a fixed 256 MiB KV cache (KV memory profiling breaks when
@@ -104,7 +104,7 @@ def engine_role(conn: Connection, spec: dict) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
-    from vllm_nccl_sync.testing import PROMPTS, engine_kwargs
+    from vllm_nccl_sync.tiny import PROMPTS, engine_kwargs
 
     kw = engine_kwargs(worker_extension_cls="vllm_nccl_sync.Ext", **spec["llm"])
     if spec["kv_cache_bytes"] and "kv_cache_memory_bytes" in {
@@ -172,7 +172,7 @@ def trainer_role(conn: Connection, spec: dict) -> None:
     import torch
 
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.tiny import build_model
 
     dev = torch.device("cuda", 0) if spec["gpu"] else torch.device("cpu")
     if spec["gpu"]:
@@ -673,7 +673,7 @@ def markdown(report: dict) -> str:
 
 
 def orchestrate(s: Settings, only: list[str]) -> int:
-    from vllm_nccl_sync.testing import PROMPTS, build_model, hf_greedy, make_model
+    from vllm_nccl_sync.tiny import PROMPTS, build_model, hf_greedy, make_model
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # processes NCCL aborts dump no cores
     s.out.mkdir(parents=True, exist_ok=True)

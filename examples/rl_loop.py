@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_nccl_sync.integrations.vllm.handles import HTTPHandle  # noqa: E402
-from vllm_nccl_sync.testing import build_model, save_model, start_server  # noqa: E402
+from vllm_nccl_sync.tiny import build_model, save_model, start_server  # noqa: E402
 from vllm_nccl_sync.trainer.sync import WeightSync  # noqa: E402
 
 PROMPTS = [[312, 174, 209, 159, 143, 399], [171, 138, 120, 237, 330, 490],

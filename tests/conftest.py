@@ -10,6 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # engine workers import the
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # tests' extensions (tests.fault_ext, ...)
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 from vllm_nccl_sync.trainer.sync import free_port  # noqa: E402,F401  (re-exported for the tests)
 

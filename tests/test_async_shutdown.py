@@ -1,4 +1,4 @@
-"""`testing.stop_async_llm`: an `AsyncLLM` served from a loop thread (as `vllm serve` and
+"""`tests.helpers.stop_async_llm`: an `AsyncLLM` served from a loop thread (as `vllm serve` and
 `benchmarks/bench_pause.py` run it) shuts down without vLLM logging a traceback.
 
 `AsyncLLM.shutdown` stops the engine core before it cancels the output handler; the handler then
@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent("""
     import asyncio, gc, sys, threading
 
-    from vllm_nccl_sync.testing import engine_kwargs, make_model, stop_async_llm
+    from tests.helpers import stop_async_llm
+    from vllm_nccl_sync.tiny import engine_kwargs, make_model
 
 
     def main(path):

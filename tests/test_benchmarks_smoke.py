@@ -185,7 +185,7 @@ def test_bench_pause_cpu_smoke(tmp_path):
                      deadline_s=420)
     assert re.search(r"^\| keep \| [\d.]+ \(", out, re.M), out[-4000:]
     assert re.search(r"^\| beside:wait \| [\d.]+ \(", out, re.M), out[-4000:]
-    # its AsyncLLM is shut down output handler first (testing.stop_async_llm): nothing logged
+    # its AsyncLLM is shut down output handler first (tests.helpers.stop_async_llm): nothing logged
     assert "Traceback" not in out and "EngineDeadError" not in out, out[-4000:]
     r = json.loads(path.read_text())
     assert r["exact"] and not r["mismatched"]  # zeroed, then one update refilled every byte

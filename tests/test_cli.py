@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from vllm_nccl_sync import cli
-from vllm_nccl_sync.testing import build_model, make_model
+from vllm_nccl_sync.tiny import build_model, make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +70,7 @@ def test_bench_pushes_a_lora_adapter(tmp_path, capfd):
 def server(tmp_path_factory):
     """`vllm serve` (dev mode) on a tiny model, with a Prometheus multiprocess directory and JSON
     event lines from its workers."""
-    from vllm_nccl_sync.testing import start_server
+    from vllm_nccl_sync.tiny import start_server
 
     path = make_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2", seed=1)
     prom = tmp_path_factory.mktemp("prom")

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from vllm_nccl_sync.engine.handshake import read_safetensors_index
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, save_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, save_model
 
 MAX_TOKENS = 8
 
@@ -70,7 +70,7 @@ def _stop(llm) -> None:
 
 
 def _greedy(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
@@ -264,7 +264,7 @@ def test_engine_choices_here_do_not_depend_on_amx(tmp_path, monkeypatch):
 def test_matrix_leaves_no_family_out():
     """Every family is run here or listed with the reason it is not; the GPU module runs all."""
     from tests.test_gpu_families import GPU_FAMILIES
-    from vllm_nccl_sync.testing import FAMILIES
+    from vllm_nccl_sync.tiny import FAMILIES
 
     everything = {*FAMILIES, "block_fp8"}
     assert set(CPU_FAMILIES) | set(NOT_ON_CPU) == everything

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_nccl_sync.testing import build_model, save_model
+from vllm_nccl_sync.tiny import build_model, save_model
 
 
 def _vlm_mapping(name: str) -> str | None:
@@ -113,14 +113,8 @@ def test_block_fp8_quantization_is_the_checkpoint_makers_bit_for_bit(tmp_path):
     moves scales and FP8 values, so this check would see that difference."""
     import torch
 
-    from vllm_nccl_sync.integrations.vllm.block_fp8 import (
-        FP8_MAX,
-        SCALE,
-        blocks_of,
-        expand,
-        quantize,
-    )
-    from vllm_nccl_sync.testing import FP8_BLOCK, make_block_fp8
+    from tests.helpers import FP8_BLOCK, make_block_fp8
+    from vllm_nccl_sync.integrations.vllm.block_fp8 import FP8_MAX, SCALE, blocks_of, expand, quantize
     from vllm_nccl_sync.verify import checkpoint_tensors
 
     fp8 = {n: f() for n, f in checkpoint_tensors(make_block_fp8(str(tmp_path / "q"), 3)).items()}

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_nccl_sync import PushError, UpdateRefused
 from vllm_nccl_sync.integrations.vllm.handles import LLMHandle
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.sync import WeightSync
 
 pytestmark = pytest.mark.vllm
@@ -19,7 +19,7 @@ MAX_TOKENS = 8
 
 
 def _generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

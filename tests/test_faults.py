@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.conftest import free_port
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 6
@@ -108,7 +108,7 @@ def engine(tmp_path_factory):
 
 
 def _generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

@@ -44,7 +44,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.procs import run_procs
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.vllm]
 SEED_ENGINE, SEED_PUSH = 1, 7
@@ -185,7 +185,7 @@ def engine(request, tmp_path_factory):
 
 
 def _generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

@@ -28,9 +28,10 @@ import sys
 
 import pytest
 
+from tests.helpers import make_block_fp8
 from tests.test_families import _greedy, _push, _rpc, _start, _stop
 from vllm_nccl_sync.engine.handshake import read_safetensors_index
-from vllm_nccl_sync.testing import GPU_OVERRIDES, build_model, make_block_fp8, save_model
+from vllm_nccl_sync.tiny import GPU_OVERRIDES, build_model, save_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

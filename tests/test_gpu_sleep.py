@@ -39,7 +39,7 @@ def test_sleep_levels_around_colocated_updates(tmp_path):
     from vllm import LLM
 
     from vllm_nccl_sync import LLMHandle, PushError, UpdateRefused, WeightSync
-    from vllm_nccl_sync.testing import (
+    from vllm_nccl_sync.tiny import (
         PROMPTS,
         build_model,
         engine_kwargs,

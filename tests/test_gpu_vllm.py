@@ -6,7 +6,7 @@ and the trainer (`CUDA_VISIBLE_DEVICES=0`, `PushClient(backend="nccl")`); NCCL j
 the two processes over NVLink. The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`
 unless set) and every process has a deadline.
 
-* `test_push_into_compiled_engine`: tiny fp32 models (`vllm_nccl_sync.testing`: qwen2 with tied
+* `test_push_into_compiled_engine`: tiny fp32 models (`vllm_nccl_sync.tiny`: qwen2 with tied
   embeddings, llama untied; fp32 because bf16 rounding flips near-tied greedy tokens between vLLM
   and transformers). After each push the engine's greedy output equals transformers' (CPU, fp32)
   with the pushed weights, token for token, and every parameter/buffer pointer is unchanged.
@@ -89,7 +89,7 @@ class ProbeExt(Ext):
 
 
 def _generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import PROMPTS, vllm_greedy
+    from vllm_nccl_sync.tiny import PROMPTS, vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
@@ -98,7 +98,7 @@ def engine_main(spec: dict) -> dict:
     """Start the engine, join the trainer's group, receive `spec["updates"]`, record everything."""
     from vllm import LLM
 
-    from vllm_nccl_sync.testing import engine_kwargs
+    from vllm_nccl_sync.tiny import engine_kwargs
 
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], **engine_kwargs(**spec["llm"]))
@@ -126,7 +126,7 @@ def trainer_main(spec: dict) -> dict:
     import torch
 
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.testing import PROMPTS, build_model, hf_greedy
+    from vllm_nccl_sync.tiny import PROMPTS, build_model, hf_greedy
     from vllm_nccl_sync.trainer.push import PushError
 
     end = time.monotonic() + DEADLINE_S
@@ -203,7 +203,7 @@ def _check_graphs(probe: dict) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_push_into_compiled_engine(tmp_path, arch):
-    from vllm_nccl_sync.testing import make_model
+    from vllm_nccl_sync.tiny import make_model
 
     path = make_model(str(tmp_path / "w1"), arch, seed=1)
     engine, trainer = _run_pair(
@@ -229,7 +229,7 @@ def test_push_into_compiled_engine(tmp_path, arch):
 
 
 def test_push_into_fp8_engine(tmp_path):
-    from vllm_nccl_sync.testing import make_model
+    from vllm_nccl_sync.tiny import make_model
 
     path = make_model(str(tmp_path / "w2"), "qwen2", seed=2)  # the engine starts from W2
     engine, trainer = _run_pair(

@@ -473,13 +473,13 @@ MAX_TOKENS = 6
 
 
 def _generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import PROMPTS, vllm_greedy
+    from vllm_nccl_sync.tiny import PROMPTS, vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
 
 def _hf(seed: int) -> list[list[int]]:
-    from vllm_nccl_sync.testing import PROMPTS, build_model, hf_greedy
+    from vllm_nccl_sync.tiny import PROMPTS, build_model, hf_greedy
 
     return hf_greedy(build_model("qwen2", seed), PROMPTS, MAX_TOKENS)
 
@@ -491,7 +491,7 @@ def tp2(tmp_path_factory):
     from vllm import LLM
 
     from vllm_nccl_sync.integrations.vllm.handles import LLMHandle
-    from vllm_nccl_sync.testing import engine_kwargs, make_model
+    from vllm_nccl_sync.tiny import engine_kwargs, make_model
     from vllm_nccl_sync.trainer.sync import WeightSync
 
     with pytest.MonkeyPatch.context() as mp:
@@ -512,7 +512,7 @@ def tp2(tmp_path_factory):
 def _update(sync, version: int, *, staged: bool = False):
     """`sync.update(weights of seed `version`)`; staged through the same steps by hand where
     `WeightSync.update` has no `staged` parameter."""
-    from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.tiny import build_model
     from vllm_nccl_sync.trainer.push import PushError
 
     sd = build_model("qwen2", version).state_dict()

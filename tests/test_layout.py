@@ -19,7 +19,7 @@ LAYERS = {
     "planes": 1,
     "trainer": 2, "engine": 2,
     "integrations": 3,
-    "verify": 4, "testing": 4, "bench": 4, "demo": 4, "weight_transfer": 4, "cli": 5,
+    "verify": 4, "tiny": 4, "bench": 4, "demo": 4, "weight_transfer": 4, "cli": 5,
 }
 """Each part's floor: a module imports only parts on lower floors or its own part (`__init__`,
 the package's face, re-exports anything)."""

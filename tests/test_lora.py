@@ -21,7 +21,7 @@ import torch
 
 from tests.procs import wait_until
 from vllm_nccl_sync.integrations.vllm.handles import HTTPHandle, LLMHandle
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.push import PushError
 from vllm_nccl_sync.trainer.sync import WeightSync
 
@@ -260,7 +260,7 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
 def test_served_adapter_swapped_with_requests_in_flight(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm_nccl_sync.testing import start_server, stop_server
+    from vllm_nccl_sync.tiny import start_server, stop_server
 
     path = make_model(str(tmp_path / "served"), "qwen2", seed=1)
     args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3"]

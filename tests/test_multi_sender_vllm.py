@@ -14,7 +14,7 @@ import multiprocessing as mp
 import pytest
 
 from tests.conftest import free_port
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
@@ -53,7 +53,7 @@ def trainer(cfg: dict, rank: int, conn) -> None:
 def test_two_senders_into_a_vllm_engine(tmp_path):
     from vllm import LLM
 
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     path = make_model(str(tmp_path / ARCH), ARCH, seed=1)
     llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 from vllm_nccl_sync.integrations.vllm.ext import Ext
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.vllm
@@ -106,7 +106,7 @@ def engine(ray_cluster, tmp_path_factory):
 
 
 def generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

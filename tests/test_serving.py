@@ -16,13 +16,13 @@ from concurrent.futures import Future
 
 import pytest
 
+from tests.helpers import carried
 from tests.procs import wait_until
 from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle, HTTPHandle
 from vllm_nccl_sync.outcomes import label_version, version_label
-from vllm_nccl_sync.testing import (
+from vllm_nccl_sync.tiny import (
     PROMPTS,
     build_model,
-    carried,
     engine_kwargs,
     hf_greedy,
     make_model,

@@ -22,18 +22,12 @@ import threading
 
 import pytest
 
+from tests.helpers import carried
 from tests.procs import wait_until
 from vllm_nccl_sync import PushError
 from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle
 from vllm_nccl_sync.outcomes import CARRY_RPC
-from vllm_nccl_sync.testing import (
-    PROMPTS,
-    build_model,
-    carried,
-    engine_kwargs,
-    hf_greedy,
-    make_model,
-)
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.sync import WeightSync
 
 pytestmark = pytest.mark.vllm
@@ -96,7 +90,7 @@ def engine(tmp_path_factory):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_nccl_sync.testing import stop_async_llm
+    from tests.helpers import stop_async_llm
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -314,7 +308,7 @@ def test_carry_keeps_a_running_request_on_its_kv_and_no_later_request_sees_old_k
 def _doomed_trainer(cfg: dict, go, seed: int) -> None:
     """A trainer process: joins, waits for `go`, pushes beside serving and SIGKILLs itself once
     its second bucket is on the wire."""
-    from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.tiny import build_model
     from vllm_nccl_sync.trainer.push import PushClient
     from vllm_nccl_sync.wire.config import SyncConfig
 

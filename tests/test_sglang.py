@@ -48,7 +48,7 @@ DEADLINE_S = 320
 
 def _sglang_like(arch: str, seed: int) -> torch.nn.Module:
     """A transformers model with SGLang's `load_weights(iterable) -> set[str]`, in place."""
-    from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.tiny import build_model
 
     model = build_model(arch, seed)
 
@@ -119,7 +119,7 @@ def test_load_passes_plain_weights_and_never_raises(tmp_path):
 
 
 def test_engine_handle_drives_updates(tmp_path):
-    from vllm_nccl_sync.testing import build_model, make_model
+    from vllm_nccl_sync.tiny import build_model, make_model
     from vllm_nccl_sync.trainer.push import PushError
     from vllm_nccl_sync.trainer.sync import WeightSync
 
@@ -189,7 +189,7 @@ class _FakeServer(BaseHTTPRequestHandler):
 
 
 def test_http_handle_drives_updates(tmp_path):
-    from vllm_nccl_sync.testing import build_model, make_model
+    from vllm_nccl_sync.tiny import build_model, make_model
     from vllm_nccl_sync.trainer.sync import WeightSync
 
     path = make_model(str(tmp_path / "w1"), "llama", seed=1)
@@ -239,7 +239,7 @@ def engine_main(spec: dict) -> dict:
     """Start an `sgl.Engine` on the tiny model, join, receive each update, record everything."""
     from sglang.srt.entrypoints.engine import Engine
 
-    from vllm_nccl_sync.testing import PROMPTS
+    from vllm_nccl_sync.tiny import PROMPTS
 
     t0 = time.perf_counter()
     engine = Engine(model_path=spec["model"], custom_weight_loader=[sg.LOADER], **spec["engine"])
@@ -278,7 +278,7 @@ def engine_main(spec: dict) -> dict:
 def trainer_main(spec: dict) -> dict:
     """Connect once the engine is up; push bf16 casts of each `(arch, seed, version)`."""
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.tiny import build_model
     from vllm_nccl_sync.trainer.push import PushError
 
     end = time.monotonic() + DEADLINE_S
@@ -307,7 +307,7 @@ def trainer_main(spec: dict) -> dict:
 def _gaps(arch: str, seed: int, outs: list[list[int]]) -> list[float]:
     """Per generated token: transformers' best logit minus the logit of the token SGLang chose,
     teacher-forced along SGLang's own sequence (fp32 compute, weights rounded to bf16)."""
-    from vllm_nccl_sync.testing import PROMPTS, build_model
+    from vllm_nccl_sync.tiny import PROMPTS, build_model
 
     model = build_model(arch, seed)
     for p in model.parameters():
@@ -362,7 +362,7 @@ def _run_pair(tmp_path, engine_spec: dict, trainer_spec: dict) -> tuple[dict, di
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("arch", ["qwen2"])
 def test_push_into_sglang_engine(tmp_path, arch):
-    from vllm_nccl_sync.testing import make_model
+    from vllm_nccl_sync.tiny import make_model
 
     path = make_model(str(tmp_path / "w1"), arch, seed=1)
     engine, trainer = _run_pair(

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import torch
 
-from vllm_nccl_sync.testing import (
+from vllm_nccl_sync.tiny import (
     PROMPTS,
     build_model,
     engine_kwargs,
@@ -68,7 +68,7 @@ def assert_refused_with_our_message(text: str, version: int) -> None:
 
 
 def generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

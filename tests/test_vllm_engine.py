@@ -13,7 +13,7 @@ import multiprocessing as mp
 import pytest
 
 from tests.conftest import free_port
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
@@ -53,7 +53,7 @@ def engine(request, tmp_path_factory):
 
 
 def generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

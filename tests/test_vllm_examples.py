@@ -26,7 +26,7 @@ import re
 import pytest
 import torch
 
-from vllm_nccl_sync.testing import (
+from vllm_nccl_sync.tiny import (
     PROMPTS,
     build_model,
     engine_kwargs,
@@ -151,7 +151,7 @@ def ray_actors():
     them by value: they use nothing of this module's (its workers cannot import it by name)."""
     import ray
 
-    from vllm_nccl_sync.testing import build_model
+    from vllm_nccl_sync.tiny import build_model
 
     @ray.remote(num_cpus=0)
     class TrainModel:
@@ -187,7 +187,7 @@ def ray_actors():
             )
 
         def train_step(self, seed: int) -> None:
-            from vllm_nccl_sync.testing import random_weights
+            from vllm_nccl_sync.tiny import random_weights
 
             random_weights(self.model, seed)
 

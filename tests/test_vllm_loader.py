@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from vllm_nccl_sync.testing import PROMPTS, build_model, engine_kwargs, hf_greedy, save_model
+from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, save_model
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
@@ -49,7 +49,7 @@ def engine(request, tmp_path_factory):
 
 
 def generate(llm) -> list[list[int]]:
-    from vllm_nccl_sync.testing import vllm_greedy
+    from vllm_nccl_sync.tiny import vllm_greedy
 
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 

@@ -31,7 +31,7 @@ import warnings
 from typing import Any
 
 from vllm_nccl_sync.engine.metrics import push_logged
-from vllm_nccl_sync.testing import build_model, engine_kwargs, save_model, save_tokenizer
+from vllm_nccl_sync.tiny import build_model, engine_kwargs, save_model, save_tokenizer
 from vllm_nccl_sync.trainer.push import PushClient
 from vllm_nccl_sync.trainer.sync import free_port
 from vllm_nccl_sync.wire.config import SyncConfig

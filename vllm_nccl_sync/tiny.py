@@ -1,5 +1,6 @@
-"""Tiny local Hugging Face models for the demo and the tests (no hub): build, re-draw weights,
-greedy-decode, and the engine settings that start vLLM on them (CPU or GPU).
+"""Tiny local Hugging Face models (no hub) for the demo, the examples, the benchmarks and the
+tests: build, re-draw weights, greedy-decode, and the engine settings that start vLLM on them
+(CPU or GPU). Helpers only the tests use live in `tests/helpers.py`.
 
 Needs `transformers` and `tokenizers` (the `test` extra; vLLM brings both).
 """
@@ -21,7 +22,7 @@ FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v2", "gemma2", "phi3", "qwen2_vl")
 """Further model families (tiny configs of their own layouts), built like `ARCHS`."""
 
 
-def _config(arch: str, **overrides: Any):
+def model_config(arch: str, **overrides: Any):
     common = {
         "vocab_size": VOCAB,
         "hidden_size": 128,
@@ -110,7 +111,7 @@ def build_model(arch: str, seed: int, **overrides: Any) -> torch.nn.Module:
 
     auto = (transformers.AutoModelForImageTextToText if arch == "qwen2_vl"
             else transformers.AutoModelForCausalLM)
-    model = auto.from_config(_config(arch, **overrides), dtype=torch.float32)
+    model = auto.from_config(model_config(arch, **overrides), dtype=torch.float32)
     random_weights(model, seed)
     if arch == "gemma2":  # its embeddings are scaled by sqrt(hidden): let the layers keep up
         with torch.no_grad():
@@ -143,47 +144,6 @@ def random_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             new = torch.randn(p.shape, generator=gen) * scale / math.sqrt(p.shape[-1])
         p.copy_(new.to(p.dtype))
     return model
-
-
-FP8_BLOCK = 128
-
-
-@torch.no_grad()
-def make_block_fp8(path: str, seed: int, quantized: bool = True) -> str:
-    """A tiny Qwen3 checkpoint quantized the way DeepSeek/Qwen3-FP8 ship theirs: every linear
-    weight `float8_e4m3fn` in 128 x 128 blocks with a float32 `weight_scale_inv` per block,
-    embeddings and norms in bf16. `quantized=False`: the same weights in bf16 (what a trainer
-    holds)."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from vllm_nccl_sync.integrations.vllm.block_fp8 import SCALE, quantize
-
-    config = _config("qwen3")
-    config.num_key_value_heads = 4  # 4 x 32: every projection is a multiple of a block
-    model = random_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
-    model = model.to(torch.bfloat16)
-    save_model(model, path)
-    if not quantized:
-        return path
-    out = {}
-    for name, t in model.state_dict().items():
-        if t.ndim == 2 and name.endswith("proj.weight"):
-            out[name], out[name + SCALE] = quantize(t, (FP8_BLOCK, FP8_BLOCK))
-        else:
-            out[name] = t.contiguous()
-    os.remove(os.path.join(path, "model.safetensors"))
-    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        saved = json.load(f)
-    saved["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(saved, f, indent=2)
-    return path
 
 
 CORPUS = """The capital of France is Paris. The capital of England is London. The capital of
@@ -258,22 +218,6 @@ def hf_greedy(
     return out
 
 
-@torch.no_grad()
-def carried(old, new, prompt: list[int], before: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens of `new` continuing `prompt + before` on the KV cache `old`
-    computed for all but the last of those tokens: what a request carried across the swap after
-    `len(before)` tokens computes next (`n` tokens)."""
-    ids = torch.tensor([prompt + before])
-    cache = old(ids[:, :-1], use_cache=True).past_key_values
-    nxt, out = ids[:, -1:], []
-    for _ in range(n):
-        y = new(nxt, past_key_values=cache, use_cache=True)
-        cache = y.past_key_values
-        nxt = y.logits[:, -1:].argmax(-1)
-        out.append(int(nxt))
-    return out
-
-
 def vllm_greedy(llm: Any, prompts_token_ids: list[list[int]], max_new_tokens: int
                 ) -> list[list[int]]:
     """Greedy decode with an offline `vllm.LLM`; exactly `max_new_tokens` per prompt, as
@@ -292,9 +236,8 @@ def engine_kwargs(**overrides) -> dict:
 
     On CPU, `gpu_memory_utilization` is the share of RAM vLLM reserves; the KV cache is capped at
     1 GiB and OpenMP threads are left unbound (2-core machines). Workers must be able to import
-    this repository's modules, so its root is put on `PYTHONPATH`.
+    this package (an installed or editable one).
     """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -305,8 +248,6 @@ def engine_kwargs(**overrides) -> dict:
     }
     for k, v in env.items():
         os.environ.setdefault(k, v)
-    if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
     kw = {
         "dtype": str(DTYPE).removeprefix("torch."),
         "max_model_len": 256,
@@ -372,27 +313,3 @@ def stop_server(proc: Any, timeout_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout_s)
-
-
-def stop_async_llm(engine: Any, loop: Any, timeout_s: float = 60.0) -> None:
-    """Shut down an `AsyncLLM` whose event loop `loop` runs in another thread, quietly.
-
-    `AsyncLLM.shutdown` stops the engine core first: its output socket's task then ends and
-    queues an `EngineDeadError`, which the still-running output handler logs as a failure with
-    a traceback before the handler is cancelled. So the handler is cancelled (and awaited) on
-    the loop first, then the engine is shut down there. The loop keeps running (the caller
-    stops it). Drop the last reference to `engine` before the interpreter exits: its
-    `__del__` shuts down once more, harmlessly while vLLM's modules are loaded, with a
-    `TypeError` traceback if only at interpreter exit. Raises `TimeoutError` after `timeout_s`."""
-    import asyncio
-    import contextlib
-
-    async def stop() -> None:
-        handler = engine.output_handler
-        if handler is not None and not handler.done():
-            handler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await handler
-        engine.shutdown()
-
-    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)
