@@ -117,11 +117,12 @@ class Update:
             self.reference = reference
             self.plan_tensors = {t.name: t for t in plan.tensors}
         if not plan.buckets:
-            return Problem(Kind.PLAN,
-                           f"rank {self.rank} refused update {plan.version}: a plan without buckets")
+            return Problem(Kind.PLAN, f"rank {self.rank} refused update {plan.version}: a plan "
+                           "without buckets")
         for h in plan.buckets:
-            problem = Problem(Kind.HEADER, f"rank {self.rank} rejected bucket {h.seq}: force flag "
-                              "differs from the plan's") if h.force != plan.force else self.accept(h)
+            problem = (Problem(Kind.HEADER, f"rank {self.rank} rejected bucket {h.seq}: force "
+                               "flag differs from the plan's")
+                       if h.force != plan.force else self.accept(h))
             if problem:
                 self.refuse(problem)
                 return problem
