@@ -103,4 +103,5 @@ class FamilyExt(LoaderExt):
         from vllm_nccl_sync.wire.protocol import TensorSpec
 
         ref = reference(self.vllm_config)
-        return ref.problems([TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs])
+        specs = [TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs]
+        return [p.text for p in ref.problems(specs)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_nccl_sync.integrations.vllm.ext import Ext
+from vllm_nccl_sync.outcomes import Kind, Problem
 
 INJECTED = "nccl_test injected failure"
 WHERE = ("finish", "load", "verify")
@@ -72,8 +73,8 @@ class FaultExt(Ext):
         armed = where if where and me == tp_rank else ""
         if armed == "verify":
             def failing_verify(seal: Any, u: Any) -> None:
-                u.failed = u.failed or (f"rank {receiver.rank}: {INJECTED}: verification of "
-                                        f"the seal on tp rank {me}")
+                u.failed = u.failed or Problem(Kind.SEAL, f"rank {receiver.rank}: {INJECTED}: "
+                                               f"verification of the seal on tp rank {me}")
 
             receiver._verify = failing_verify
         elif armed:

@@ -31,7 +31,8 @@ def test_plan_check_goes_through_the_models_name_mapping():
                     {"lm_head.weight": "model.embed_tokens.weight"}, set(), _vlm_mapping)
 
     def problems(name: str, shape=(8, 4)) -> list[str]:
-        return ref.problems([TensorSpec(name=name, dtype="float32", shape=list(shape))])
+        return [p.text for p in ref.problems([TensorSpec(name=name, dtype="float32",
+                                                         shape=list(shape))])]
 
     assert problems("model.layers.0.mlp.down_proj.weight") == []
     assert problems("model.language_model.layers.0.mlp.down_proj.weight") == []
@@ -94,7 +95,8 @@ def test_fp8_checkpoints_take_what_the_engine_can_load():
 
     per_tensor = Reference({w: ("float8_e4m3fn", [128, 256]), w + "_scale": ("float32", [])},
                            {}, {"bfloat16"})
-    [why] = per_tensor.problems(bf16[:1])
+    [problem] = per_tensor.problems(bf16[:1])
+    why = problem.text
     assert "scale" in why and "quantization='fp8'" in why
 
 

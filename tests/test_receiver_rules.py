@@ -37,6 +37,7 @@ from vllm_nccl_sync.engine.dataplane import seal_problem
 from vllm_nccl_sync.engine.loaders import ModuleLoader
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.engine.state import ReceiverState
+from vllm_nccl_sync.outcomes import Kind, Problem
 from vllm_nccl_sync.planes.base import open_transport
 from vllm_nccl_sync.wire.channel import SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
@@ -501,7 +502,7 @@ def test_a_seal_that_disagrees_names_the_bucket_without_the_receivers_checksum(c
     caplog.set_level(logging.WARNING, logger="vllm_nccl_sync")
     mine, theirs = 0xABCDEF12345, 0x1234567
     problem = seal_problem(1, 4, Seal(P, 4, 2, [7, theirs]), [7, mine], True)
-    assert problem == ("rank 1: bucket 1 arrived corrupted: its checksum does not match the "
-                       "sender's"), problem
+    assert problem == Problem(Kind.SEAL, "rank 1: bucket 1 arrived corrupted: its checksum does "
+                              "not match the sender's"), problem
     logged = [r.getMessage() for r in caplog.records]
     assert any(f"{mine:#x}" in m and f"{theirs:#x}" in m for m in logged), logged

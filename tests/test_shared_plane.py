@@ -563,18 +563,21 @@ def test_cuda_ipc_handles_are_checked_before_pytorch_opens_anything():
     name of another form) or an offset outside the counter file is refused before PyTorch would
     open (and later decrement) it; a handle with descriptors, or one that does not decode, is
     refused before anything is mapped."""
+    from vllm_nccl_sync.outcomes import Kind
     from vllm_nccl_sync.planes.ipc import IpcMemory, IpcTransport, ref_counter_problem
 
     def info(ref: bytes, offset: int = 0) -> IpcMemory:
         return IpcMemory("GPU-x", b"h" * 64, 4096, 0, ref, offset, b"", False)
 
-    assert ref_counter_problem(info(b"/torch_4242_981273_0"), 4242, "m") == ""
-    assert ref_counter_problem(info(b"/torch_4242_981273_7", 9999), 4242, "m") == ""
+    assert ref_counter_problem(info(b"/torch_4242_981273_0"), 4242, "m") is None
+    assert ref_counter_problem(info(b"/torch_4242_981273_7", 9999), 4242, "m") is None
     for ref, offset in [(b"/torch_4243_981273_0", 0), (b"/torch_42_981273_0", 0),
                         (b"/torch_4242_../../etc/passwd", 0), (b"/torch_4242_1_2_3", 0),
                         (b"/psm_4242_1_2", 0), (b"/torch_4242_1_2", -1),
                         (b"/torch_4242_1_2", 10000)]:
-        assert ref_counter_problem(info(ref, offset), 4242, "m").endswith(": refused"), ref
+        problem = ref_counter_problem(info(ref, offset), 4242, "m")
+        assert problem.kind is Kind.HANDLE and problem.text.endswith(": refused"), ref
+        assert isinstance(problem.error(), ValueError)  # what a forged handle raises as
     plane = object.__new__(IpcTransport)  # the checks come before any CUDA call
     with pytest.raises(ValueError, match="comes with no descriptors"):
         plane._opened(msgspec.msgpack.encode(info(b"/torch_1_2_3")), [5], 0, "m", 1)

@@ -1,12 +1,16 @@
 """What an update ends with, on either side: one exception base, the typed per-worker summary,
-and the one translation of any failure into the trainer's `PushError`.
+the typed `Problem` a check finds, and the one translation of any failure into the trainer's
+`PushError`.
 
 Every error this package raises about an update is a `SyncError`; each keeps the builtin base it
-always had (`RuntimeError`, `ValueError`), so existing `except` clauses still catch it.
+always had (`RuntimeError`, `ValueError`), so existing `except` clauses still catch it. A check
+returns a `Problem` (a `Kind` and the text the sender and the user see) or None where it finds
+none; `Problem.error` is the one place a kind becomes an exception.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -99,6 +103,64 @@ class PushError(SyncError, RuntimeError):
 class UpdateRefused(PushError):
     """A receiver refused the plan or a header before any byte moved; every receiver was sent
     `Abort`, and every engine still holds its previous weights."""
+
+
+class Kind(enum.Enum):
+    """What a receiver's check refused."""
+
+    PLAN = "plan"
+    """The plan as such: unreadable, without buckets, naming a tensor twice, of a version already
+    held, or for an adapter this engine does not take."""
+    MODEL = "model"
+    """Tensors that disagree with the engine's model (its `Reference`)."""
+    HEADER = "header"
+    """A bucket header the protocol's rules refuse."""
+    MAPPING = "mapping"
+    """Sender's memory a header names that cannot be read where it lies."""
+    HANDLE = "handle"
+    """A CUDA IPC handle whose reference counter is not one the sender's process made."""
+    RESIDENCY = "residency"
+    """The engine's sleep state: weights asleep, or discarded and not all rewritten."""
+    SHADOW = "shadow"
+    """An update received beside serving that is not staged, or whose shadow does not fit."""
+    OVERRUN = "overrun"
+    """A bucket broadcast more bytes than its header's length."""
+    DIGEST = "digest"
+    """A bucket whose checksum disagrees with (or lacks) the sender's `Digest`."""
+    SEAL = "seal"
+    """A `Seal` that disagrees with what arrived: the bucket count or a checksum."""
+    LOAD = "load"
+    """The loader (vLLM's or the user's) failed."""
+    COVERAGE = "coverage"
+    """An update that must rewrite every weight and did not."""
+
+
+_RAISES: dict[Kind, type[SyncError]] = {Kind.HANDLE: ProtocolError}
+"""The exception of each kind that is not an `UpdateFailed` (the update failed on this side)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What a check found wrong: its `kind`, and the `text` the sender and the user see. A
+    problem is never empty; a check that finds none returns None."""
+
+    kind: Kind
+    text: str
+
+    def __post_init__(self) -> None:
+        if not self.text:
+            raise ValueError(f"a {self.kind.value} problem needs a text")
+
+    def __str__(self) -> str:
+        return self.text
+
+    def at(self, where: str) -> Problem:
+        """The same problem, its text prefixed with `where` (e.g. "rank 1 refused update 3")."""
+        return Problem(self.kind, f"{where}: {self.text}")
+
+    def error(self) -> SyncError:
+        """The exception this problem raises as (`raise problem.error()`): the one mapping."""
+        return _RAISES.get(self.kind, UpdateFailed)(self.text)
 
 
 def as_push_error(e: BaseException, what: str, side: str) -> PushError:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from vllm_nccl_sync.engine.dataplane import ReceivePlane
 from vllm_nccl_sync.engine.inbox import Inbox, Wait
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import WeightLoader
 from vllm_nccl_sync.engine.update import Update
-from vllm_nccl_sync.outcomes import UpdateFailed, clip
+from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, clip
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, Ack, Commit, Seal
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class CommitRound:
                                               f"before the swap of update {u.version}")
         why = self.residency().unwritable if self.residency is not None else ""
         if why:  # e.g. put to sleep while the update was received beside serving
-            self._refuse(u, f"rank {self.rank} did not load staged update {u.version}: {why}")
+            self._refuse(u, Problem(Kind.RESIDENCY, f"rank {self.rank} did not load staged "
+                                    f"update {u.version}: {why}"))
         try:
             with self.plane.loading():
                 loader.begin()
@@ -88,19 +90,19 @@ class CommitRound:
             u.mark("settled")  # every copy they queued ran
         except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
             log.exception("loading the staged update failed")
-            self._refuse(u, f"rank {self.rank} failed loading the staged update: "
-                            f"{clip(repr(e))}")
+            self._refuse(u, Problem(Kind.LOAD, f"rank {self.rank} failed loading the staged "
+                                    f"update: {clip(repr(e))}"))
         if problem := u.coverage_problem(loader):
             self._refuse(u, problem)
         self._ack(2, u)
         self._commit(2, u)
         u.mark("committed2")
 
-    def _refuse(self, u: Update, why: str) -> None:
-        """Fail the staged update's second phase: the sender hears `why`; raises."""
-        u.failed = why
-        self.inbox.tell(u, u.seq + 1, why)
-        raise UpdateFailed(why)
+    def _refuse(self, u: Update, problem: Problem) -> NoReturn:
+        """Fail the staged update's second phase: the sender hears `problem`; raises."""
+        u.failed = problem
+        self.inbox.tell(u, u.seq + 1, problem.text)
+        raise problem.error()
 
     def _ack(self, phase: int, u: Update) -> None:
         """Send `Ack(phase)`, unless the sender already sent something of this update."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.outcomes import clip
+from vllm_nccl_sync.outcomes import Kind, Problem, clip
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.wire.cuda_sums import Tap, tapping, warm
 from vllm_nccl_sync.wire.integrity import (
@@ -140,8 +140,9 @@ class ReceivePlane:
         finally:
             tapping.reset(token)
 
-    def mapping_problem(self, headers: list[BucketHeader], rank: int, plan: bool = False) -> str:
-        """Why headers naming the sender's memory (`at`) cannot be read ("" if they can): a
+    def mapping_problem(self, headers: list[BucketHeader], rank: int,
+                        plan: bool = False) -> Problem | None:
+        """Why headers naming the sender's memory (`at`) cannot be read (None if they can): a
         plane that maps none, a segment never exported, on another GPU, or a range past it.
         Each segment is mapped once; a `plan` that reads some in place unmaps the segments it
         no longer names (a plan that reads none, a stream, says nothing about them)."""
@@ -155,8 +156,9 @@ class ReceivePlane:
                 try:
                     self._parts(h)
                 except (ValueError, RuntimeError) as e:
-                    return f"rank {rank} refused bucket {h.seq}: {clip(str(e))}"
-        return ""
+                    return Problem(Kind.MAPPING, f"rank {rank} refused bucket {h.seq}: "
+                                   f"{clip(str(e))}")
+        return None
 
     def _parts(self, header: BucketHeader) -> list[torch.Tensor]:
         """The slots of a bucket read where they lie, mapped: one flat tensor each."""
@@ -323,16 +325,19 @@ class _Mapped:
 _log = logging.getLogger(__name__)
 
 
-def digest_problem(rank: int, seq: int, got: int, theirs: int, require: bool) -> str:
-    """Why bucket `seq` (checksum `got`) must not be loaded given the sender's `Digest`."""
+def digest_problem(rank: int, seq: int, got: int, theirs: int,
+                   require: bool) -> Problem | None:
+    """Why bucket `seq` (checksum `got`) must not be loaded given the sender's `Digest` (None:
+    it may be)."""
     if not theirs and require:
-        return (f"rank {rank}: Digest for bucket {seq} carries no checksum, and this receiver "
-                "requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not loaded")
+        return Problem(Kind.DIGEST, f"rank {rank}: Digest for bucket {seq} carries no checksum, "
+                       "and this receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not "
+                       "loaded")
     if theirs and got != theirs:
         _mismatch(rank, seq, got, theirs)
-        return (f"rank {rank}: bucket {seq} arrived corrupted or short: its checksum does not "
-                "match the sender's; not loaded")
-    return ""
+        return Problem(Kind.DIGEST, f"rank {rank}: bucket {seq} arrived corrupted or short: its "
+                       "checksum does not match the sender's; not loaded")
+    return None
 
 
 def _mismatch(rank: int, seq: int, mine: int, theirs: int) -> None:
@@ -342,21 +347,21 @@ def _mismatch(rank: int, seq: int, mine: int, theirs: int) -> None:
 
 
 def seal_problem(rank: int, version: int, seal: Seal, got: list[int | None],
-                 require: bool) -> str:
+                 require: bool) -> Problem | None:
     """Why the sender's `Seal` disagrees with what arrived (`got`: one checksum per bucket, None
-    for an empty one): the bucket count or a checksum ("" if it agrees)."""
+    for an empty one): the bucket count or a checksum (None if it agrees)."""
     n = len(got)
     if seal.buckets != n or len(seal.checksums) != n:
-        return (f"rank {rank}: sender sealed update {version} with {seal.buckets} buckets / "
-                f"{len(seal.checksums)} checksums, {n} arrived")
+        return Problem(Kind.SEAL, f"rank {rank}: sender sealed update {version} with "
+                       f"{seal.buckets} buckets / {len(seal.checksums)} checksums, {n} arrived")
     for k, (mine, theirs) in enumerate(zip(got, seal.checksums, strict=True)):
         if mine is None or (not theirs and not require):
             continue
         if not theirs:
-            return (f"rank {rank}: no checksum for bucket {k} in the seal, and this receiver "
-                    "requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS)")
+            return Problem(Kind.SEAL, f"rank {rank}: no checksum for bucket {k} in the seal, and "
+                           "this receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS)")
         if mine & _MASK != theirs:
             _mismatch(rank, k, mine & _MASK, theirs)
-            return (f"rank {rank}: bucket {k} arrived corrupted: its checksum does not match the "
-                    "sender's")
-    return ""
+            return Problem(Kind.SEAL, f"rank {rank}: bucket {k} arrived corrupted: its checksum "
+                           "does not match the sender's")
+    return None

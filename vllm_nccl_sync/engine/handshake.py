@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vllm_nccl_sync.outcomes import Kind, Problem
 from vllm_nccl_sync.wire.protocol import TensorSpec
 
 _ST_DTYPES = {
@@ -75,8 +76,9 @@ class Reference:
                     return target
         return found
 
-    def problems(self, specs: list[TensorSpec], full: bool = False) -> list[str]:
-        """Every way `specs` disagrees with this reference (empty: acceptable)."""
+    def problems(self, specs: list[TensorSpec], full: bool = False) -> list[Problem]:
+        """Every way `specs` disagrees with this reference, each a `Kind.MODEL` problem (empty:
+        acceptable)."""
         out: list[str] = []
         seen: set[str] = set()
         for s in specs:
@@ -113,7 +115,7 @@ class Reference:
             if missing:
                 shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
                 out.append(f"full update misses {len(missing)} tensors: {shown}")
-        return out
+        return [Problem(Kind.MODEL, text) for text in out]
 
 
 def read_safetensors_index(model_dir: str) -> dict[str, tuple[str, list[int]]]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_nccl_sync.engine.update import Update
-from vllm_nccl_sync.outcomes import ProtocolError, UpdateFailed, clip
+from vllm_nccl_sync.outcomes import Problem, ProtocolError, UpdateFailed, clip
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
@@ -139,7 +139,7 @@ class Inbox:
 
     def tell(self, u: Update, seq: int, message: str, tb: str = "") -> None:
         """Send an `Error` of update `u` (bounded: a dead sender must not block us); nothing
-        before a plan named the update."""
+        before a plan named the update. The one place this receiver's `Error`s are made."""
         if u.version < 0:  # nobody asked; an Error of no update belongs to none (`belongs`)
             return
         try:
@@ -149,14 +149,15 @@ class Inbox:
         except (TimeoutError, OSError, ValueError) as e:
             log.warning("rank %d could not report its error to the trainer: %s", self.rank, e)
 
-    def fail(self, u: Update, text: str, seq: int | None = None) -> None:
-        """Record the first failure of `u` and tell the sender at once (once per update), so it
-        stops announcing buckets; every collective a `Go` covers is still joined."""
+    def fail(self, u: Update, problem: Problem, seq: int | None = None) -> None:
+        """Record the first problem of `u` and tell the sender its text at once (once per
+        update), so it stops announcing buckets; every collective a `Go` covers is still
+        joined."""
         if u.failed is None:
-            u.failed = text
+            u.failed = problem
         if not u.told:
             u.told = True
-            self.tell(u, u.seq if seq is None else seq, u.failed, " ")
+            self.tell(u, u.seq if seq is None else seq, u.failed.text, " ")
 
     def violation(self, u: Update, text: str) -> UpdateFailed:
         """A message that breaks the protocol: tell the sender (it may be waiting for us)."""

@@ -32,7 +32,7 @@ from vllm_nccl_sync.engine.metrics import observe_update
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader, require_checksums_default
 from vllm_nccl_sync.engine.update import Update, plan_problem
-from vllm_nccl_sync.outcomes import UpdateFailed, WorkerSummary, clip
+from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary, clip
 from vllm_nccl_sync.planes.base import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
@@ -175,8 +175,8 @@ class Receiver:
             return self.inbox.opening(seconds)
         except UnreadablePlan as e:
             u.version = e.version
-            self._refuse(u, f"rank {self.rank} refused update {e.version}: its plan does not "
-                            f"decode ({clip(str(e), 300)})")
+            self._refuse(u, Problem(Kind.PLAN, f"rank {self.rank} refused update {e.version}: "
+                                    f"its plan does not decode ({clip(str(e), 300)})"))
 
     def _open(self, plan: Plan, u: Update) -> None:
         """Answer the plan: one `Ready` for every header in it, or a refusal of it as a whole,
@@ -193,7 +193,7 @@ class Receiver:
             self._refuse(u, problem)
         self.inbox.send(Ready(PROTOCOL_VERSION, self.rank, u.accepted, plan.version))
 
-    def _refuse(self, u: Update, problem: str) -> NoReturn:
+    def _refuse(self, u: Update, problem: Problem) -> NoReturn:
         """Refuse update `u`'s plan as a whole, then wait for the sender's `Abort` so that both
         sides end the update alike; raises (the Abort, a `Go`, or the deadline)."""
         u.refuse(problem)
@@ -203,21 +203,20 @@ class Receiver:
         self._pump(u, lambda: False, "Abort")
         raise AssertionError("only a raise ends the wait for an Abort")
 
-    def _shadow_problem(self, plan: Plan, u: Update) -> str:
-        """Why an update received beside serving is refused ("" if its shadow fits)."""
+    def _shadow_problem(self, plan: Plan, u: Update) -> Problem | None:
+        """Why an update received beside serving is refused (None if its shadow fits)."""
         if u.beside is None:
-            return ""
+            return None
         where = f"rank {self.rank} refused update {plan.version}"
         if not plan.staged:
-            return (f"{where}: an update received beside serving must be staged (push it with "
-                    "staged=True; WeightSync.update(beside=True) does)")
+            return Problem(Kind.SHADOW, f"{where}: an update received beside serving must be "
+                           "staged (push it with staged=True; WeightSync.update(beside=True) does)")
         try:
             nbytes = sum(align_up(tensor_nbytes(t.dtype, t.shape)) for t in plan.tensors)
         except (KeyError, ValueError) as e:
-            return f"{where}: {clip(str(e))}"
-
+            return Problem(Kind.PLAN, f"{where}: {clip(str(e))}")
         problem = u.beside.shadow.reserve(nbytes)
-        return f"{where}: {problem}" if problem else ""
+        return problem.at(where) if problem else None
 
     def _pump(self, u: Update, want: Callable[[], bool], what: str) -> None:
         """Handle the sender's messages until `want()` holds, within one deadline: a stream's
@@ -298,13 +297,14 @@ class Receiver:
                     loader.finish()
                 self.plane.settle(self.cfg.timeout_s)
                 u.mark("finished")
-                u.failed = u.coverage_problem(loader) or None
+                u.failed = u.coverage_problem(loader)
             except Exception as e:  # noqa: BLE001 - vLLM's post-processing: report it
-                u.failed = f"rank {self.rank} failed finishing the load: {clip(repr(e))}"
+                u.failed = Problem(Kind.LOAD, f"rank {self.rank} failed finishing the load: "
+                                   f"{clip(repr(e))}")
                 log.exception("finishing the load failed")
         if u.failed is not None:
             self.inbox.fail(u, u.failed)
-            raise UpdateFailed(u.failed)
+            raise u.failed.error()
 
     def _arrived(self, seq: int, u: Update) -> None:
         """Wait for bucket `seq`'s bytes and check what can be checked now: where the plane
@@ -329,8 +329,9 @@ class Receiver:
         self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}{sender}")
         theirs = u.digests.pop(seq)
         if self.plane.overran(seq, header.length, canary):
-            self.inbox.fail(u, f"rank {self.rank}: bucket {seq} broadcast more bytes than its "
-                               f"header's length {header.length}; not loaded")
+            self.inbox.fail(u, Problem(Kind.OVERRUN, f"rank {self.rank}: bucket {seq} broadcast "
+                                       f"more bytes than its header's length {header.length}; "
+                                       "not loaded"))
         elif problem := digest_problem(self.rank, seq, got, theirs, self.require_checksums):
             self.inbox.fail(u, problem)
 
@@ -356,14 +357,15 @@ class Receiver:
             if header.is_last:
                 re.finish()
         except Exception as e:  # the loader is user/vLLM code: report, don't crash
-            self.inbox.fail(u, f"rank {self.rank} failed loading bucket {seq}: {clip(repr(e))}")
+            self.inbox.fail(u, Problem(Kind.LOAD, f"rank {self.rank} failed loading bucket {seq}: "
+                                       f"{clip(repr(e))}"))
             log.exception("loading bucket %d failed", seq)
 
     def _verify(self, seal: Seal, u: Update) -> None:
         """Compare the sender's `Seal` with what arrived: bucket count and every checksum."""
         if u.failed is None:
             u.failed = seal_problem(self.rank, u.version, seal, self.plane.values(u.sums),
-                                    self.require_checksums) or None
+                                    self.require_checksums)
 
     def _failed(self, e: BaseException, u: Update, loader: WeightLoader) -> WorkerSummary:
         """End a failed update the same way on every path; returns the summary.
@@ -396,7 +398,8 @@ class Receiver:
                 log.exception("loader.abort() failed")
         if u.exposed and u.adapter is None:  # an adapter loader's `abort` undoes its own work
             self.state.consistent = False
-        error = str(e) if u.failed is None or u.failed in str(e) else f"{u.failed}; then: {e}"
+        error = (str(e) if u.failed is None or u.failed.text in str(e)
+                 else f"{u.failed.text}; then: {e}")
         return self._summary(u, False, clip(error))
 
     def _summary(self, u: Update, ok: bool, error: str = "", **kw: Any) -> WorkerSummary:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.outcomes import UpdateFailed, WorkerSummary
+from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +80,22 @@ class Shadow:
         return f"{'pinned host memory' if self._pin else 'host memory'}" if self.place == "host" \
             else str(self.device)
 
-    def reserve(self, nbytes: int) -> str:
-        """Begin an update: hold an arena of at least `nbytes`; why not ("" if it fits)."""
+    def reserve(self, nbytes: int) -> Problem | None:
+        """Begin an update: hold an arena of at least `nbytes`; why not (None if it fits)."""
         self._used, self._open, self.completed = 0, {}, []
         need = nbytes + _ALIGN * 4096
         if self.nbytes >= nbytes:
-            return ""
+            return None
         free = self._available(self.device, self.place) + self.nbytes
         if need > free:
-            return (f"receiving beside serving keeps a shadow copy of the update ({nbytes / 1e9:.2f}"
-                    f" GB) in {self.where()}, where {free / 1e9:.2f} GB is free; receive with "
-                    "generation paused, or keep the shadow in host memory (shadow='host')")
+            return Problem(Kind.SHADOW, f"receiving beside serving keeps a shadow copy of the "
+                           f"update ({nbytes / 1e9:.2f} GB) in {self.where()}, where "
+                           f"{free / 1e9:.2f} GB is free; receive with generation paused, or "
+                           "keep the shadow in host memory (shadow='host')")
         self._arena = None
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.target,
                                   pin_memory=self._pin)
-        return ""
+        return None
 
     def _take(self, dtype: torch.dtype, shape: list[int] | torch.Size) -> torch.Tensor:
         """Room for one tensor: in the arena while it lasts, else an allocation of its own."""

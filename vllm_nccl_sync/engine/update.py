@@ -18,7 +18,7 @@ import torch
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, held_weights
-from vllm_nccl_sync.outcomes import clip
+from vllm_nccl_sync.outcomes import Kind, Problem, clip
 from vllm_nccl_sync.wire.packing import validate_header
 from vllm_nccl_sync.wire.protocol import AdapterSpec, BucketHeader, Plan, TensorSpec, belongs
 
@@ -63,7 +63,7 @@ class Update:
     plan_tensors: dict[str, TensorSpec] = field(default_factory=dict)
     nbytes: int = 0
     ntensors: int = 0
-    failed: str | None = None
+    failed: Problem | None = None
     began: bool = False
     exposed: bool = False
     """Data of this update may have been loaded by some worker: a failure now leaves it mixed."""
@@ -110,30 +110,32 @@ class Update:
             prev = t
         return {k: round(v, 3) for k, v in out.items()}
 
-    def open(self, plan: Plan, reference: Reference | None) -> str:
+    def open(self, plan: Plan, reference: Reference | None) -> Problem | None:
         """Check every header `plan` carries (the update's version and staged flag already
         taken from it): all of them are accepted, or none (the refusal: the first problem)."""
         if plan.adapter is None:
             self.reference = reference
             self.plan_tensors = {t.name: t for t in plan.tensors}
         if not plan.buckets:
-            return f"rank {self.rank} refused update {plan.version}: a plan without buckets"
+            return Problem(Kind.PLAN, f"rank {self.rank} refused update {plan.version}: a plan "
+                           "without buckets")
         for h in plan.buckets:
-            problem = (f"rank {self.rank} rejected bucket {h.seq}: force flag differs from the "
-                       "plan's") if h.force != plan.force else self.accept(h)
+            problem = (Problem(Kind.HEADER, f"rank {self.rank} rejected bucket {h.seq}: force "
+                               "flag differs from the plan's")
+                       if h.force != plan.force else self.accept(h))
             if problem:
                 self.refuse(problem)
                 return problem
-        return ""
+        return None
 
-    def refuse(self, problem: str) -> None:
+    def refuse(self, problem: Problem) -> None:
         """Record the refusal of the whole plan, whichever check refused it: no header is
         accepted, so no `Go` is agreement (a `Go` for any bucket is one nobody here joins)."""
         self.headers, self.accepted, self.last, self.refused = {}, -1, -1, 0
         if self.failed is None:
             self.failed = problem
 
-    def accept(self, header: BucketHeader) -> str:
+    def accept(self, header: BucketHeader) -> Problem | None:
         """Check the next header; on success remember it, else record the refusal."""
         seq = self.accepted + 1
         problem = self.failed or self._problem(header, seq)
@@ -151,28 +153,31 @@ class Update:
         self.accepted = seq
         if header.is_last:
             self.last = seq
-        return ""
+        return None
 
     def residency_problem(self, plan: Plan, residency: Callable[[], Residency] | None,
-                          reference: Reference | None) -> str:
+                          reference: Reference | None) -> Problem | None:
         """Why the engine's sleep state (`engine.residency`; None: not known) refuses `plan`
-        ("" if it does not). Weights asleep: refused. Weights discarded: the update must rewrite
-        every weight (`held`); a state-dict plan must name every checkpoint tensor now, a
-        stream by its commit."""
+        (None if it does not). Weights asleep: refused. Weights discarded: the update must
+        rewrite every weight (`held`); a state-dict plan must name every checkpoint tensor now,
+        a stream by its commit."""
         if residency is None:
-            return ""
+            return None
         r = residency()
         where = f"rank {self.rank} refused update {plan.version}"
         if r.unwritable:
-            return f"{where}: {r.unwritable}"
+            return Problem(Kind.RESIDENCY, f"{where}: {r.unwritable}")
         if not r.discarded or plan.adapter is not None:
-            return ""
+            return None
         if reference is None:
-            return (f"{where}: {r.discarded}, and without the engine's checkpoint headers it "
-                    "cannot check that the update rewrites every weight")
+            return Problem(Kind.RESIDENCY, f"{where}: {r.discarded}, and without the engine's "
+                           "checkpoint headers it cannot check that the update rewrites every "
+                           "weight")
         self.held = r
         missing = reference.problems(plan.tensors, full=True) if plan.tensors else []
-        return f"{where}: {r.discarded}; {self.rewrite_needed(missing)}" if missing else ""
+        if not missing:
+            return None
+        return Problem(Kind.RESIDENCY, f"{where}: {r.discarded}; {self.rewrite_needed(missing)}")
 
     def batched(self, named: list[tuple[str, torch.Tensor]],
                 header: BucketHeader) -> list[tuple[str, torch.Tensor]] | None:
@@ -197,83 +202,91 @@ class Update:
         st.bytes += self.nbytes
         st.last_seconds = time.perf_counter() - self.t0
 
-    def rewrite_needed(self, missing: list[str]) -> str:
-        return f"every weight must be rewritten, but {'; '.join(missing)}"
+    def rewrite_needed(self, missing: list[Problem]) -> str:
+        return f"every weight must be rewritten, but {joined(missing)}"
 
-    def coverage_problem(self, loader: Any) -> str:
+    def coverage_problem(self, loader: Any) -> Problem | None:
         """Why this update, loaded and finished, may not commit because it must rewrite every
-        weight and did not ("" if it may): a checkpoint tensor no header named, or a parameter
+        weight and did not (None if it may): a checkpoint tensor no header named, or a parameter
         the loaders wrote nothing into (`loader.unwritten()`, where the loader can tell)."""
         if self.held is None or self.reference is None:
-            return ""
+            return None
         where = f"rank {self.rank} refused to commit update {self.version}: {self.held.discarded}"
         missing = self.reference.problems(list(self.named.values()), full=True)
         if missing:
-            return clip(f"{where}; {self.rewrite_needed(missing)}")
+            return Problem(Kind.COVERAGE, clip(f"{where}; {self.rewrite_needed(missing)}"))
         unwritten = getattr(loader, "unwritten", None)
         left = unwritten() if unwritten is not None else None
         if left:
             shown = ", ".join(sorted(left)[:8]) + (" ..." if len(left) > 8 else "")
-            return clip(f"{where}; every weight must be rewritten, but the loaders wrote "
-                        f"nothing into {len(left)} parameter(s): {shown}")
-        return ""
+            return Problem(Kind.COVERAGE, clip(f"{where}; every weight must be rewritten, but "
+                           f"the loaders wrote nothing into {len(left)} parameter(s): {shown}"))
+        return None
 
-    def _problem(self, header: BucketHeader, seq: int) -> str:
-        """Why this receiver refuses header `seq` ("" if it accepts it)."""
+    def _problem(self, header: BucketHeader, seq: int) -> Problem | None:
+        """Why this receiver refuses header `seq` (None if it accepts it)."""
         where = f"rank {self.rank} rejected bucket {seq}"
         if not belongs(header, self.version):  # a header nested in the plan
-            return f"header of update {header.version} in update {self.version}"
+            return Problem(Kind.HEADER, f"header of update {header.version} in update "
+                           f"{self.version}")
+        if (why := self._rule(header, seq)) is not None:
+            return Problem(Kind.HEADER, f"{where}: {why}")
+        specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
+        strays = [f"tensor {x.name!r} ({x.dtype} {x.shape}) is not the plan's"
+                  for x in specs if self.plan_tensors and self.plan_tensors.get(x.name) != x]
+        if strays:
+            return Problem(Kind.HEADER, f"{where}: " + clip("; ".join(strays[:5])))
+        problems = self.reference.problems(specs) if self.reference is not None else []
+        return Problem(Kind.MODEL, f"{where}: " + clip(joined(problems[:5]))) if problems else None
+
+    def _rule(self, header: BucketHeader, seq: int) -> str | None:
+        """Which of the protocol's rules header `seq` breaks, as the text of its refusal."""
         if header.staged != self.staged:
-            return f"{where}: staged flag differs from the plan's"
+            return "staged flag differs from the plan's"
         if self.last >= 0:
-            return f"{where}: it follows the last bucket {self.last}"
+            return f"it follows the last bucket {self.last}"
         if not 0 <= header.src < self.senders:
-            return f"{where}: sender {header.src} is not one of the {self.senders} sender(s)"
+            return f"sender {header.src} is not one of the {self.senders} sender(s)"
         try:
             validate_header(header, seq, self.capacity)
         except ValueError as e:
-            return f"{where}: {clip(str(e))}"
+            return clip(str(e))
         for s in header.slots:
             end = self.covered.get(s.name)
             if end is not None and (s.start < end or not s.nbytes):
-                return (f"{where}: tensor {s.name!r} is named twice in update {self.version} "
-                        f"(bytes [{s.start}, {s.start + s.nbytes}) of it came in an earlier "
-                        "bucket)")
-        specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
-        problems = []
-        if self.plan_tensors:
-            problems = [f"tensor {x.name!r} ({x.dtype} {x.shape}) is not the plan's"
-                        for x in specs if self.plan_tensors.get(x.name) != x]
-        if not problems and self.reference is not None:
-            problems = self.reference.problems(specs)
-        if problems:
-            return f"{where}: " + clip("; ".join(problems[:5]))
-        return ""
+                return (f"tensor {s.name!r} is named twice in update {self.version} (bytes "
+                        f"[{s.start}, {s.start + s.nbytes}) of it came in an earlier bucket)")
+        return None
+
+
+def joined(problems: list[Problem]) -> str:
+    """The texts of `problems`, in one line."""
+    return "; ".join(p.text for p in problems)
 
 
 def plan_problem(plan: Plan, rank: int, held: int, reference: Reference | None,
-                 takes_adapters: bool) -> str:
+                 takes_adapters: bool) -> Problem | None:
     """Why receiver `rank`, holding version `held` of the plan's target, refuses `plan` before
-    looking at its headers ("" if it takes it)."""
+    looking at its headers (None if it takes it): `Kind.MODEL` where its tensors disagree with
+    the engine's model, else `Kind.PLAN`."""
     seen: set[str] = set()
     for t in plan.tensors:
         if t.name in seen:
-            return (f"rank {rank} refused update {plan.version}: tensor {t.name!r} is named "
-                    "twice in the plan")
+            return Problem(Kind.PLAN, f"rank {rank} refused update {plan.version}: tensor "
+                           f"{t.name!r} is named twice in the plan")
         seen.add(t.name)
     what = "" if plan.adapter is None else f" of adapter {plan.adapter.name!r}"
     if plan.version <= held and not plan.force:
-        return (f"rank {rank} refused update {plan.version}{what}: it holds {held_weights(held)} "
-                "(push with force=True to go back)")
+        return Problem(Kind.PLAN, f"rank {rank} refused update {plan.version}{what}: it holds "
+                       f"{held_weights(held)} (push with force=True to go back)")
     if plan.adapter is not None:
         if not takes_adapters:
-            return (f"rank {rank} refused adapter {plan.adapter.name!r}: this engine takes no "
-                    "LoRA adapters (start it with enable_lora=True)")
-        return ""  # the adapter loader checks names and shapes in `begin`
-    if reference is None:
-        return ""
-    problems = reference.problems(plan.tensors, plan.full)
+            return Problem(Kind.PLAN, f"rank {rank} refused adapter {plan.adapter.name!r}: this "
+                           "engine takes no LoRA adapters (start it with enable_lora=True)")
+        return None  # the adapter loader checks names and shapes in `begin`
+    problems = reference.problems(plan.tensors, plan.full) if reference is not None else []
     if not problems:
-        return ""
+        return None
     more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-    return clip(f"rank {rank} refused update {plan.version}: " + "; ".join(problems[:5]) + more)
+    return Problem(Kind.MODEL, clip(f"rank {rank} refused update {plan.version}: "
+                                    + joined(problems[:5]) + more))

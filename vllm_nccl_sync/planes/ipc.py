@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 import torch
 
+from vllm_nccl_sync.outcomes import Kind, Problem
 from vllm_nccl_sync.planes.base import register
 from vllm_nccl_sync.planes.handoff import Creds
 from vllm_nccl_sync.planes.shared import SharedTransport
@@ -103,8 +104,8 @@ _REF_COUNTERS = 10000
 """Counters in one of PyTorch's CUDA IPC reference-counter files (`CUDA_IPC_REF_COUNTER_FILE_SIZE`)."""
 
 
-def ref_counter_problem(info: IpcMemory, sender_pid: int, what: str) -> str:
-    """Why `info`'s reference counter is refused ("" if it is not). Mapping a CUDA IPC handle
+def ref_counter_problem(info: IpcMemory, sender_pid: int, what: str) -> Problem | None:
+    """Why `info`'s reference counter is refused (None if it is not). Mapping a CUDA IPC handle
     through PyTorch opens that counter by name and decrements the word at its offset when the
     mapping goes: so it must be one PyTorch made in the sender's own process (the kernel's
     pid), at an offset inside the file, and never a name that reaches out of /dev/shm."""
@@ -113,10 +114,12 @@ def ref_counter_problem(info: IpcMemory, sender_pid: int, what: str) -> str:
     tail = name[len(stem):].split(b"_")
     if (not name.startswith(stem) or len(tail) != 2
             or not all(p.isdigit() and len(p) <= 20 for p in tail)):
-        return f"{what}: its reference counter is not one the sender's process made: refused"
+        return Problem(Kind.HANDLE, f"{what}: its reference counter is not one the sender's "
+                       "process made: refused")
     if not 0 <= info.ref_offset < _REF_COUNTERS:
-        return f"{what}: its reference counter's offset lies outside the counter file: refused"
-    return ""
+        return Problem(Kind.HANDLE, f"{what}: its reference counter's offset lies outside the "
+                       "counter file: refused")
+    return None
 
 
 def open_shared(info: IpcMemory, device: torch.device, need: int, what: str,
@@ -124,10 +127,10 @@ def open_shared(info: IpcMemory, device: torch.device, need: int, what: str,
     """The bytes of an exported storage, mapped, as flat uint8 on `device`: after checking that
     it lies on this GPU, that its reference counter is the sender's (`ref_counter_problem`),
     that it holds `need` bytes and that the driver maps all it claims; `ValueError` naming
-    `what` and the problem otherwise."""
+    `what` and the problem otherwise (a forged reference counter: `ProtocolError`)."""
     problem = ref_counter_problem(info, sender_pid, what)
     if problem:
-        raise ValueError(problem)
+        raise problem.error()
     mine = gpu_uuid(device)
     if info.uuid != mine:
         raise ValueError(f"{what} is on GPU {info.uuid}, this worker is on {mine}: the ipc plane "
