@@ -51,8 +51,9 @@ class Transport(abc.ABC):
     - shm / ipc (`shared`): see their `peer_harm`.
     A new plane must state the same for itself (`peer_harm`, checked by `registry.plane`).
 
-    Opened through `registry.open_transport` (the plane `cfg.backend` names). Planes implement `_device`, `_group`, `_post` and `_abort_group`; `broadcast` itself is
-    defined here only (it checks and counts, then posts).
+    Opened through `registry.open_transport` (the plane `cfg.backend` names). Planes implement
+    `_device`, `_group`, `_post` and `_abort_group`; `broadcast` itself is defined here only (it
+    checks and counts, then posts).
     """
 
     backend: ClassVar[str]
