@@ -44,7 +44,7 @@ def _cfg(backend: str, bucket: int) -> dict:
 def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
     """memcpy and raw gloo, then the pushes of every plane, alternating."""
     from vllm_nccl_sync import PushClient, SyncConfig
-    from vllm_nccl_sync.planes.base import Transport
+    from vllm_nccl_sync.planes.registry import open_transport
     from vllm_nccl_sync.verify import digest
 
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
         t0 = time.perf_counter()
         dst.copy_(src)
         out["memcpy"].append(time.perf_counter() - t0)
-    raw = Transport(SyncConfig(**raw_cfg), 0)
+    raw = open_transport(SyncConfig(**raw_cfg), 0)
     for _ in range(reps + 1):
         t0 = time.perf_counter()
         raw.broadcast(src).wait()
@@ -89,7 +89,7 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
     from vllm_nccl_sync import SyncConfig
     from vllm_nccl_sync.engine.loaders import ModuleLoader
     from vllm_nccl_sync.engine.receiver import Receiver
-    from vllm_nccl_sync.planes.base import Transport
+    from vllm_nccl_sync.planes.registry import open_transport
     from vllm_nccl_sync.verify import digest
 
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
     payload = sum(t.nbytes for t in model.values())
     tensors = {name: {n: torch.zeros_like(t) for n, t in model.items()} for name in cfgs}
     buf = torch.empty(payload + 8, dtype=torch.uint8)
-    raw = Transport(SyncConfig(**raw_cfg), 1)
+    raw = open_transport(SyncConfig(**raw_cfg), 1)
     for _ in range(reps + 1):
         raw.broadcast(buf, length=payload).wait()
         raw.broadcast(torch.ones(1, dtype=torch.uint8), src=1).wait()

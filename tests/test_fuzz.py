@@ -37,7 +37,8 @@ from hypothesis import strategies as st
 
 import vllm_nccl_sync.engine.receiver as receiver_mod
 from tests.conftest import free_port
-from vllm_nccl_sync.planes.base import Transport, open_transport
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import _META, _TO_RECEIVER, FRAMING, SenderChannel, _mac
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.integrity import checksum
@@ -1042,7 +1043,7 @@ def test_receiver_hostile_sender_real_gloo(monkeypatch):
                      timeout_s=5.0, secret=SECRET)
     trainer = SenderChannel("127.0.0.1", port, cfg.secret_bytes)
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault("tx", Transport(cfg, 0)))
+    th = threading.Thread(target=lambda: box.setdefault("tx", open_transport(cfg, 0)))
     th.start()
     rx = receiver_mod.Receiver(cfg, 1)
     th.join(30)

@@ -118,12 +118,13 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 def test_cuda_pipeline_is_bit_exact(monkeypatch, mode):
     from vllm_nccl_sync.engine.loaders import ModuleLoader
     from vllm_nccl_sync.engine.receiver import Receiver
-    from vllm_nccl_sync.planes import base
+    from vllm_nccl_sync.planes import registry
     from vllm_nccl_sync.trainer.push import PushClient
     from vllm_nccl_sync.wire.config import SyncConfig
 
     wire = _Wire()
-    monkeypatch.setitem(base._PLANES, "nccl", _stand_in(wire))
+    stand_in = _stand_in(wire)
+    monkeypatch.setattr(registry, "plane", lambda name: stand_in)  # every open_transport
     cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=2,
                      backend="nccl", bucket_bytes=CAP, timeout_s=30.0)
     dev = torch.device("cuda", 0)

@@ -35,6 +35,7 @@ import torch
 from tests.conftest import free_port
 from tests.procs import run_procs
 from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import MAX_WIRE_BYTES, SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.integrity import checksum
@@ -171,7 +172,7 @@ class HandTrainer:
 
     def join(self) -> None:
         assert isinstance(self.recv(DEADLINE / 2), Hello)
-        self.tx = Transport(self.cfg, 0)  # the receiver joins the group right after its Hello
+        self.tx = open_transport(self.cfg, 0)  # the receiver joins the group right after its Hello
 
     def plan(self, version: int, buckets: list, staged: bool) -> None:
         """Open an update with every header in the plan; the answer must be one `Ready` for

@@ -1,17 +1,25 @@
 """The data planes behind one interface: found by name, each stating its policies and what a peer
-can do to it; the gloo plane end to end in one process (ranks in threads, 127.0.0.1)."""
+can do to it; the gloo plane end to end in one process (ranks in threads, 127.0.0.1); the
+deadman."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
+import vllm_nccl_sync.planes
 from tests.conftest import free_port
-from vllm_nccl_sync.planes import base
-from vllm_nccl_sync.planes.base import Transport, open_transport, plane, register
+from vllm_nccl_sync.planes import registry
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.deadman import Deadman
+from vllm_nccl_sync.planes.registry import PLANES, open_transport, plane
 from vllm_nccl_sync.wire.config import BACKENDS, SyncConfig
 
 
@@ -31,29 +39,73 @@ def test_the_planes_policies():
     assert "cannot crash" in nccl.peer_harm and "deadman" in nccl.peer_harm
 
 
-def test_an_unknown_plane_is_named():
-    with pytest.raises(ValueError, match="no data plane 'rdma'"):
-        plane("rdma")
-    with pytest.raises(ValueError, match="no data plane '../x'"):
-        plane("../x")
+def test_the_registry_names_every_plane_and_only_the_configs():
+    """Every module of `planes/` that defines a plane (a concrete `Transport`) is in `PLANES`
+    under the name its class states, and the names are exactly those the config accepts."""
+    found = {}
+    for info in pkgutil.iter_modules(vllm_nccl_sync.planes.__path__):
+        module = importlib.import_module(f"vllm_nccl_sync.planes.{info.name}")
+        for cls in vars(module).values():
+            if (inspect.isclass(cls) and issubclass(cls, Transport) and not inspect.isabstract(cls)
+                    and cls.__module__ == module.__name__):
+                found[cls.backend] = (module.__name__, cls.__name__)
+    assert found == PLANES
+    assert sorted(PLANES) == sorted(BACKENDS)
 
 
-def test_a_plane_must_state_what_a_peer_can_do(monkeypatch):
-    monkeypatch.setattr(base, "_PLANES", dict(base._PLANES))
+def test_an_unknown_plane_is_refused_listing_the_known_ones():
+    known = r"the known ones: \['gloo', 'ipc', 'nccl', 'shm'\]"
+    for name in ("rdma", "../x", "", None):
+        with pytest.raises(ValueError, match=f"no data plane {name!r}; {known}"):
+            plane(name)
+    with pytest.raises(ValueError, match=known):
+        open_transport(_unchecked("rdma"), 0)
 
-    class Mute(Transport):
-        digest_per_bucket = False
-        canary_bytes = 0
 
+def _unchecked(backend: str) -> SyncConfig:
+    """A config whose backend no plane has (one the constructor would refuse)."""
+    cfg = SyncConfig(control_port=1, group_port=2, world_size=2)
+    msgspec.structs.force_setattr(cfg, "backend", backend)
+    return cfg
+
+
+class Mute(Transport):
+    """A plane that does not say what a peer can do to it."""
+
+    backend = "mute"
+    digest_per_bucket = False
+    canary_bytes = 0
+
+
+class Misnamed(Mute):
+    peer_harm = "a peer can do nothing"
+
+
+def test_a_plane_must_state_what_a_peer_can_do_and_its_own_name(monkeypatch):
+    monkeypatch.setitem(PLANES, "mute", (__name__, "Mute"))
     with pytest.raises(TypeError, match=r"does not state \['peer_harm'\]"):
-        register("mute")(Mute)
-    assert "mute" not in base._PLANES
+        plane("mute")
+    monkeypatch.setitem(PLANES, "mute", (__name__, "Misnamed"))
+    assert plane("mute") is Misnamed
+    monkeypatch.setitem(PLANES, "quiet", (__name__, "Misnamed"))
+    with pytest.raises(TypeError, match="calls itself 'mute'"):
+        plane("quiet")
+    monkeypatch.setitem(PLANES, "quiet", (__name__, "_pair"))
+    with pytest.raises(TypeError, match="is not a Transport"):
+        plane("quiet")
+    assert registry.plane("gloo").backend == "gloo"
+
+
+def test_the_contract_opens_no_plane_itself():
+    """`Transport` is the abstract contract: a plane is opened by name, never through it."""
+    with pytest.raises(TypeError, match="abstract"):
+        Transport(SyncConfig(control_port=1, group_port=2, world_size=2), 0)
 
 
 def _pair(cfg: SyncConfig) -> tuple[Transport, Transport]:
-    """Rank 0 through `Transport(...)`, rank 1 through `open_transport(...)`."""
+    """Rank 0 and rank 1 of `cfg`'s plane, each opened by name (`open_transport`)."""
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault(0, Transport(cfg, 0)))
+    th = threading.Thread(target=lambda: box.setdefault(0, open_transport(cfg, 0)))
     th.start()
     try:
         box[1] = open_transport(cfg, 1)
@@ -71,9 +123,9 @@ def gloo_pair():
         t.close()
 
 
-def test_both_front_doors_open_the_named_plane_and_class_spies_see_it(gloo_pair, monkeypatch):
-    """`Transport(cfg, ...)` and `open_transport(cfg, ...)` give the plane of `cfg.backend`; a
-    spy set on `Transport.broadcast` (as tests do) sees every plane's broadcasts."""
+def test_open_transport_opens_the_named_plane_and_class_spies_see_it(gloo_pair, monkeypatch):
+    """`open_transport(cfg, ...)` gives the plane of `cfg.backend`; a spy set on
+    `Transport.broadcast` (as tests do) sees every plane's broadcasts."""
     tx, rx = gloo_pair
     assert type(tx) is type(rx) is plane("gloo") and tx.device == torch.device("cpu")
     seen: list[int | None] = []
@@ -123,10 +175,8 @@ def _bare_nccl() -> tuple[Transport, threading.Thread]:
     """The NCCL plane's policy objects without a GPU: its deadman over a stand-in group."""
     t = object.__new__(plane("nccl"))
     t.rank, t.world_size, t.broken, t.pg, t._store = 0, 2, "", _FakeGroup(), None
-    t._cond, t._deadline, t._what, t._closed = threading.Condition(), None, "", False
-    deadman = threading.Thread(target=t._watch, daemon=True)
-    deadman.start()
-    return t, deadman
+    t.deadman = Deadman()
+    return t, t.deadman.watch(t.abort, "test-deadman")
 
 
 def _until(cond, what: str, timeout: float = 10.0) -> None:
@@ -154,8 +204,26 @@ def test_the_nccl_deadman_leaves_a_block_done_in_time_and_close_frees_the_group(
     group = t.pg
     with t.armed(60, "update 1"):
         t.extend(60)
-    assert t._deadline is None and t.broken == ""  # disarmed on leaving the block
+    assert t.deadman.deadline is None and t.broken == ""  # disarmed on leaving the block
     t.close()
     deadman.join(10)
     assert not deadman.is_alive()
     assert group.aborts == 1 and t.broken == "closed"  # a healthy communicator is freed once
+
+
+def test_the_deadman_waits_while_extended_then_acts_once_and_ends_on_close():
+    deadman, reasons = Deadman(), []
+    thread = deadman.watch(reasons.append, "test-deadman")
+    with deadman.armed(0.3, "update 4"):
+        for _ in range(5):  # 0.5 s in all, each step well inside the extended deadline
+            time.sleep(0.1)
+            deadman.extend(0.3)
+        assert reasons == []
+        _until(lambda: reasons, "the deadman to act")
+        assert deadman.deadline is None  # it acts once per armed deadline
+    assert reasons == ["update 4 did not finish within the deadline"]
+    deadman.extend(0.01)  # disarmed: nothing to push on
+    assert deadman.deadline is None
+    deadman.close()
+    thread.join(10)
+    assert not thread.is_alive() and reasons == ["update 4 did not finish within the deadline"]

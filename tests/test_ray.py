@@ -58,7 +58,7 @@ class RayProbeExt(Ext):
         address its data plane binds)."""
         import ray
 
-        from vllm_nccl_sync.planes.base import local_address
+        from vllm_nccl_sync.planes.rendezvous import local_address
 
         ctx = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),

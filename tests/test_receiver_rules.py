@@ -38,7 +38,7 @@ from vllm_nccl_sync.engine.loaders import ModuleLoader
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.engine.state import ReceiverState
 from vllm_nccl_sync.outcomes import Kind, Problem
-from vllm_nccl_sync.planes.base import open_transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.integrity import checksum

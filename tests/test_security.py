@@ -28,7 +28,8 @@ import vllm_nccl_sync.engine.receiver as receiver_mod
 from tests.conftest import free_port
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
-from vllm_nccl_sync.planes.base import Transport, open_transport
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire import channel, frames
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.integrity import checksum

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import free_port
 from vllm_nccl_sync.engine.loaders import ModuleLoader
 from vllm_nccl_sync.engine.session import EngineSession, Placement
-from vllm_nccl_sync.planes.base import open_transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.integrity import checksum

@@ -19,8 +19,9 @@ from tests.test_planes import _pair
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.outcomes import PeerFailed
-from vllm_nccl_sync.planes.base import Transport, plane
+from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.handoff import checked_fd, new_memory
+from vllm_nccl_sync.planes.registry import open_transport, plane
 
 pytestmark = pytest.mark.multiproc
 
@@ -88,7 +89,7 @@ def test_a_receiver_that_never_gives_a_buffer_back_is_lost_at_the_timeout():
 
 
 def _attach_and_exit(cfg: SyncConfig) -> None:
-    Transport(cfg, 1)
+    open_transport(cfg, 1)
     os._exit(0)
 
 
@@ -96,7 +97,7 @@ def test_a_receiver_that_exits_is_lost_at_once_not_at_the_timeout():
     cfg = _cfg(timeout_s=300.0)
     proc = mp.get_context("spawn").Process(target=_attach_and_exit, args=(cfg,))
     proc.start()
-    tx = Transport(cfg, 0)
+    tx = open_transport(cfg, 0)
     try:
         proc.join(60)
         assert proc.exitcode == 0
@@ -134,10 +135,10 @@ def test_a_join_record_of_another_bucket_size_is_refused():
     mine = _cfg(timeout_s=2.0)
     theirs = SyncConfig(**{**mine.to_dict(), "bucket_bytes": 8192})
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault(0, _try(lambda: Transport(theirs, 0))))
+    th = threading.Thread(target=lambda: box.setdefault(0, _try(lambda: open_transport(theirs, 0))))
     th.start()
     with pytest.raises(ValueError, match=r"bucket_bytes 8192\) does not match this receiver's"):
-        Transport(mine, 1)
+        open_transport(mine, 1)
     th.join(60)
     assert isinstance(box[0], Exception)  # the sender's join ends at its timeout
 
@@ -619,12 +620,12 @@ def test_a_local_process_that_is_not_the_receiver_gets_no_memory(who):
     cfg = _cfg(secret=secret, timeout_s=120.0)  # a bound: the rogue's start may be slow
     uid, proof = (os.getuid(), b"\x00" * 16) if who == "wrong-secret" else (NOBODY, bytes.fromhex(secret))
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault(0, _try(lambda: Transport(cfg, 0))))
+    th = threading.Thread(target=lambda: box.setdefault(0, _try(lambda: open_transport(cfg, 0))))
     th.start()
     try:
         rogue, = run_procs([(_rogue, (cfg.to_dict(), uid, proof))], 180)
         assert rogue.startswith("refused"), rogue
-        rx = Transport(cfg, 1)
+        rx = open_transport(cfg, 1)
     finally:
         th.join(60)
     tx = box[0]

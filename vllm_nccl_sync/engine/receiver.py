@@ -33,7 +33,7 @@ from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader, require_checksums_default
 from vllm_nccl_sync.engine.update import Update, plan_problem
 from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary, clip
-from vllm_nccl_sync.planes.base import open_transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import Reassembler, align_up, tensor_nbytes

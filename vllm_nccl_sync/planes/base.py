@@ -1,32 +1,25 @@
 """Data plane: one broadcast per bucket, from a sender to every receiver, behind one interface.
 
-`Transport` is what every data plane offers and promises; `open_transport(cfg, rank, device)`
-joins the one `cfg.backend` names. Planes are found by name: plane `X` lives in `planes/X.py`
-and registers its class with `@register("X")` (imported on first use), so a new plane (a
-same-host shared-memory or CUDA-IPC one, say) plugs in beside `gloo.py` and `nccl.py` without a
-change here; `SyncConfig` lists the names both ends may agree on (`wire.config.BACKENDS`).
-
-Each transport is its own process group built from its own rendezvous (a `TCPStore` hosted by
-rank 0 on the configured address only: `open_store`), so it never touches the default process
-group that vLLM (or the trainer) already uses.
+`Transport` is what every data plane offers and promises: its verbs (`broadcast`, `armed`,
+`extend`, `wait_stream`, `abort`, `close`; `export`/`mapped`/`keep_mapped` for memory read in
+place) and the policies each plane states. Planes are found by name in `registry` (which opens
+the one `cfg.backend` names: `open_transport`); each group meets through `rendezvous` and, on a
+plane whose collectives can hang, is guarded by a `deadman`.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import importlib
 import logging
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
-from typing import Any, ClassVar, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
+from vllm_nccl_sync.planes.deadman import Deadman
+from vllm_nccl_sync.planes.rendezvous import open_store
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.protocol import Source
 
@@ -37,55 +30,6 @@ class Handle(Protocol):
     """A collective in flight."""
 
     def wait(self) -> bool: ...
-
-
-def local_address(peer: str) -> str:
-    """The address of this host that the kernel routes to `peer` from (no packet is sent)."""
-    family, _, _, _, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        return s.getsockname()[0]
-
-
-def await_listener(host: str, port: int, timeout_s: float) -> None:
-    """Return once `host:port` accepts a TCP connection; `TimeoutError` naming it after `timeout_s`.
-
-    A `TCPStore` client retries on its own and can take about twice its timeout to give up, with
-    a message that does not say what to check; this wait is bounded and says it.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay, last = 0.05, None
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            with socket.create_connection((host, port), timeout=min(left, 5.0)):
-                return
-        except OSError as e:
-            last = e
-        time.sleep(max(min(delay, deadline - time.monotonic()), 0))
-        delay = min(delay * 2, 0.5)
-    raise TimeoutError(
-        f"the trainer's rendezvous (TCPStore) at {host}:{port} accepted no connection within "
-        f"{timeout_s:.1f} s (last error: {last}); is the trainer up, and is SyncConfig.host an "
-        f"address of it that this host can reach?"
-    )
-
-
-def open_store(cfg: SyncConfig, rank: int) -> dist.TCPStore:
-    """The group's rendezvous: rank 0 hosts a `TCPStore` bound to `cfg.host` only (TCPStore
-    alone binds every interface); other ranks wait for it (`await_listener`), then join."""
-    if rank != 0:
-        await_listener(cfg.host, cfg.group_port, cfg.timeout_s)
-    listen_fd = None
-    if rank == 0:
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((cfg.host, cfg.group_port))
-        listener.listen(max(cfg.world_size, 16))
-        listen_fd = listener.detach()  # the store owns and closes it
-    return dist.TCPStore(cfg.host, cfg.group_port, cfg.world_size, is_master=rank == 0,
-                         timeout=timedelta(seconds=cfg.timeout_s), wait_for_workers=False,
-                         master_listen_fd=listen_fd)
 
 
 class Transport(abc.ABC):
@@ -105,15 +49,15 @@ class Transport(abc.ABC):
     - nccl: a peer cannot crash the process, but a dead peer leaves a collective pending until
       the deadman aborts the communicator (`armed`); the transport is then `broken`.
     - shm / ipc (`shared`): see their `peer_harm`.
-    A new plane must state the same for itself (`peer_harm`, required by `register`).
+    A new plane must state the same for itself (`peer_harm`, checked by `registry.plane`).
 
-    `Transport(cfg, rank, device)` opens the plane `cfg.backend` names, like `open_transport`.
-    Planes implement `_device`, `_group`, `_post` and `_abort_group`; `broadcast` itself is
-    defined here only (it checks and counts, then posts).
+    Opened through `registry.open_transport` (the plane `cfg.backend` names). Planes implement
+    `_device`, `_group`, `_post` and `_abort_group`; `broadcast` itself is defined here only (it
+    checks and counts, then posts).
     """
 
     backend: ClassVar[str]
-    """The plane's name (`cfg.backend`), set by `register`."""
+    """The plane's name (`cfg.backend`): its key in `registry.PLANES`."""
     digest_per_bucket: ClassVar[bool]
     """True (gloo): the sender sends each bucket's checksum in a `Digest` right after posting it,
     and a receiver checks it before loading the bucket. False (NCCL): both sides checksum on the
@@ -127,9 +71,6 @@ class Transport(abc.ABC):
     """True (same-host planes, `shared`): the sender's two bucket buffers are mapped by every
     receiver (`shared_buffers()`); the sender packs every bucket into them, receivers load from
     them and hand each back with `release(i)` once their reads of it are done."""
-
-    def __new__(cls, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> Self:
-        return super().__new__(plane(cfg.backend) if cls is Transport else cls)
 
     def __init__(self, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> None:
         """Join the group as `rank` (0: the sender, which hosts the rendezvous). Raises
@@ -146,10 +87,8 @@ class Transport(abc.ABC):
         self.collectives = 0
         self.lost: set[int] = set()
         """Peers whose transfer failed (gone); later broadcasts from here skip them."""
-        self._deadline: float | None = None
-        self._what = ""
-        self._cond = threading.Condition()
-        self._closed = False
+        self.deadman = Deadman()
+        """The deadline of the update in flight (`armed`); a plane that can hang `watch`es it."""
         self.device = self._device(device)
         self._store = open_store(cfg, rank)
         self.pg = self._group(dist.PrefixStore("vllm_nccl_sync", self._store), cfg)
@@ -188,29 +127,18 @@ class Transport(abc.ABC):
     def keep_mapped(self, segments: set[int]) -> None:
         """Receiver: unmap the sender's memory segments other than `segments`."""
 
-    @contextlib.contextmanager
-    def armed(self, seconds: float, what: str) -> Iterator[None]:
+    def armed(self, seconds: float, what: str) -> contextlib.AbstractContextManager[None]:
         """Abort the group if the block (and the collectives it posted) is not done in `seconds`.
 
-        A plane with a deadman (NCCL) aborts from another thread, so it also ends a host wait the
-        caller is stuck in (a stream sync behind a collective that will never complete). A plane
-        whose collectives time out on their own (gloo) only records the deadline.
+        A plane that watches its `deadman` (NCCL) aborts from another thread, so it also ends a
+        host wait the caller is stuck in (a stream sync behind a collective that will never
+        complete). A plane whose collectives time out on their own (gloo) only records it.
         """
-        with self._cond:
-            self._deadline, self._what = time.monotonic() + seconds, what
-            self._cond.notify()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._deadline = None
+        return self.deadman.armed(seconds, what)
 
     def extend(self, seconds: float) -> None:
         """Push an armed deadline to `seconds` from now (a new phase of the same update)."""
-        with self._cond:
-            if self._deadline is not None:
-                self._deadline = time.monotonic() + seconds
-                self._cond.notify()
+        self.deadman.extend(seconds)
 
     def wait_stream(self, stream: torch.cuda.Stream, timeout_s: float) -> None:
         """Wait for everything queued on `stream` so far, polling: never an unbounded host sync.
@@ -268,52 +196,8 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Drop the group (a broken one included: the next join builds a new one)."""
-        with self._cond:
-            self._closed = True
-            self._deadline = None
-            self._cond.notify()
+        self.deadman.close()
         if self.pg is not None:
             self._release()
         self.pg = None
         self._store = None
-
-
-_PLANES: dict[str, type[Transport]] = {}
-_P = TypeVar("_P", bound=type[Transport])
-
-
-def register(name: str) -> Callable[[_P], _P]:
-    """Class decorator: `cls` is the data plane `name` (`cfg.backend`). `TypeError` if it does
-    not state its policies (`digest_per_bucket`, `canary_bytes`) and its `peer_harm`."""
-
-    def add(cls: _P) -> _P:
-        missing = [a for a in ("digest_per_bucket", "canary_bytes", "peer_harm")
-                   if not hasattr(cls, a)]
-        if missing:
-            raise TypeError(f"data plane {name!r} ({cls.__name__}) does not state {missing}")
-        cls.backend = name
-        _PLANES[name] = cls
-        return cls
-
-    return add
-
-
-def plane(name: str) -> type[Transport]:
-    """The class of data plane `name`, imported on first use from `vllm_nccl_sync.planes.<name>`;
-    `ValueError` if there is none."""
-    if name not in _PLANES and name.isidentifier():
-        module = f"{__package__}.{name}"
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:  # the plane exists but needs something missing: say that
-                raise
-    try:
-        return _PLANES[name]
-    except KeyError:
-        raise ValueError(f"no data plane {name!r} (planes/{name}.py registering it)") from None
-
-
-def open_transport(cfg: SyncConfig, rank: int, device: torch.device | None = None) -> Self:
-    """Join the data plane `cfg.backend` names as `rank` of its group (see `Transport`)."""
-    return plane(cfg.backend)(cfg, rank, device)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from vllm_nccl_sync.outcomes import PeerFailed
-from vllm_nccl_sync.planes.base import Handle, Transport, local_address, register
+from vllm_nccl_sync.planes.base import Handle, Transport
+from vllm_nccl_sync.planes.rendezvous import local_address
 from vllm_nccl_sync.wire.config import SyncConfig
 
 
@@ -48,10 +49,10 @@ class _Works:
         return True
 
 
-@register("gloo")
 class GlooTransport(Transport):
     """CPU buckets over gloo point-to-point sends (see the module docstring)."""
 
+    backend = "gloo"
     digest_per_bucket = True
     canary_bytes = 8
     peer_harm = (

@@ -45,7 +45,6 @@ import msgspec
 import torch
 
 from vllm_nccl_sync.outcomes import Kind, Problem
-from vllm_nccl_sync.planes.base import register
 from vllm_nccl_sync.planes.handoff import Creds
 from vllm_nccl_sync.planes.shared import SharedTransport
 
@@ -151,10 +150,10 @@ def open_shared(info: IpcMemory, device: torch.device, need: int, what: str,
     return flat
 
 
-@register("ipc")
 class IpcTransport(SharedTransport):
     """CUDA buckets in one exported allocation that a receiver on the same GPU maps once."""
 
+    backend = "ipc"
     digest_per_bucket = False
     peer_harm = (
         "a peer cannot crash this process through the plane: handles come only from the sender "

@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -23,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_nccl_sync.planes.base import Handle, Transport, register
+from vllm_nccl_sync.planes.base import Handle, Transport
 from vllm_nccl_sync.wire.config import SyncConfig
 
 log = logging.getLogger(__name__)
@@ -48,10 +46,10 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@register("nccl")
 class NcclTransport(Transport):
     """CUDA buckets over one NCCL broadcast each, guarded by a deadman (see the module)."""
 
+    backend = "nccl"
     digest_per_bucket = False
     canary_bytes = 0
     peer_harm = (
@@ -60,9 +58,7 @@ class NcclTransport(Transport):
 
     def __init__(self, cfg: SyncConfig, rank: int, device: torch.device | None = None) -> None:
         super().__init__(cfg, rank, device)
-        self._deadman = threading.Thread(target=self._watch, name="nccl-sync-deadman",
-                                         daemon=True)
-        self._deadman.start()
+        self.deadman.watch(self.abort, "nccl-sync-deadman")
         # Build the communicator now, inside the rendezvous timeout, not in the first bucket.
         with self.armed(cfg.timeout_s, "building the NCCL communicator"), \
                 torch.cuda.device(self.device):
@@ -86,22 +82,6 @@ class NcclTransport(Transport):
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
                   TORCH_NCCL_PROPAGATE_ERROR="0"):
             return dist.ProcessGroupNCCL(store, self.rank, cfg.world_size, opts)
-
-    def _watch(self) -> None:
-        """Deadman thread: abort the communicator once an armed deadline has passed."""
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                if self._deadline is None:
-                    self._cond.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-                what, self._deadline = self._what, None
-            self.abort(f"{what} did not finish within the deadline")
 
     def _post(self, tensor: torch.Tensor, src: int) -> Handle:
         opts = dist.BroadcastOptions()

@@ -30,7 +30,6 @@ import msgspec
 import torch
 import torch.multiprocessing as torch_mp
 
-from vllm_nccl_sync.planes.base import register
 from vllm_nccl_sync.planes.handoff import Creds, checked_fd, new_memory
 from vllm_nccl_sync.planes.shared import SharedTransport
 
@@ -41,10 +40,10 @@ class ShmMemory(msgspec.Struct, frozen=True):
     nbytes: int
 
 
-@register("shm")
 class ShmTransport(SharedTransport):
     """CPU buckets in shared memory the receivers map once (see the module)."""
 
+    backend = "shm"
     digest_per_bucket = True
     peer_harm = (
         "a peer cannot crash this process: a sender publishing another length than the header's "

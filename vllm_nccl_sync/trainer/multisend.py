@@ -30,7 +30,8 @@ from collections.abc import Mapping
 import torch
 
 from vllm_nccl_sync.outcomes import PushError, as_push_error, clip
-from vllm_nccl_sync.planes.base import Transport, open_transport
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners
 from vllm_nccl_sync.trainer.rounds import Rounds

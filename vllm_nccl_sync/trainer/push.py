@@ -29,7 +29,8 @@ import msgspec
 import torch
 
 from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused, as_push_error, clip
-from vllm_nccl_sync.planes.base import Transport, open_transport
+from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.multisend import PeerSender, coordinate
 from vllm_nccl_sync.trainer.rounds import Rounds

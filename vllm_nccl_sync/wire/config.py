@@ -1,17 +1,25 @@
-"""Configuration shared by the two ends; validated on construction, msgpack-friendly on the wire."""
+"""Configuration shared by the two ends; validated on construction, msgpack-friendly on the wire.
+
+`SyncConfig` is a msgspec `Struct`: each field's bounds are declared once, in its annotation
+(`msgspec.Meta`), and checked on every construction (keywords, `from_dict`, `build`, unpickling,
+`msgspec.structs.replace`); the rules that tie fields together are `__post_init__`'s.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-from dataclasses import MISSING, asdict, dataclass, fields, replace
-from typing import Any
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from vllm_nccl_sync.wire.packing import ALIGN
 
-BACKENDS = ("gloo", "nccl", "shm", "ipc")
-"""Data planes both ends may name (`vllm_nccl_sync/planes/<name>.py` each): `gloo` (CPU, any
+Backend = Literal["gloo", "nccl", "shm", "ipc"]
+"""Data planes both ends may name (`planes/registry.py` maps each to its class): `gloo` (CPU, any
 host), `nccl` (GPUs, any host), `shm` (CPU, one host), `ipc` (one GPU shared, CUDA IPC)."""
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 SAME_HOST = ("shm", "ipc")
 """Planes whose buffers are the sender's memory mapped by every receiver: one sender only."""
 
@@ -19,69 +27,76 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """512 MiB: on 2x H200 (NVLink) end-to-end updates of 8-16 GB models then run at 0.88-0.91 of a raw
 broadcast, limited by the GPU rather than by per-bucket host work (benchmarks/results/)."""
 
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+"""A TCP port to bind or reach (`build` turns 0 or None into a free one before construction)."""
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+BucketBytes = Annotated[int, msgspec.Meta(ge=ALIGN, multiple_of=ALIGN)]
+Hex = Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-fA-F]{2})*$")]
+Host = Annotated[str, msgspec.Meta(min_length=1)]
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class SyncConfig:
-    """Everything both ends must agree on. The trainer makes it; each engine gets it by RPC."""
 
-    host: str = "127.0.0.1"
+class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Everything both ends must agree on. The trainer makes it; each engine gets it by RPC.
+
+    Raises `ValueError` naming the field and its bound for a value out of bounds, or the rule
+    broken for fields that do not fit together."""
+
+    host: Host = "127.0.0.1"
     """Address the trainer binds (control socket and the group's TCPStore); loopback by default."""
-    control_port: int
+    control_port: Port
     """ZeroMQ ROUTER port of the trainer."""
-    group_port: int
+    group_port: Port
     """TCPStore port of the data-plane group."""
-    world_size: int
+    world_size: Annotated[int, msgspec.Meta(ge=2)]
     """The senders (1, or M with `senders`) + every receiving worker of every engine."""
-    backend: str = "gloo"
+    backend: Backend = "gloo"
     """Data plane: `gloo` (CPU), `nccl` (GPU), `shm` (CPU, trainer and engines on one host) or
     `ipc` (trainer and engine sharing one GPU)."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: BucketBytes = DEFAULT_BUCKET_BYTES
     """Capacity of one bucket; each side holds two buffers of it."""
-    timeout_s: float = 120.0
+    timeout_s: Positive = 120.0
     """Bound on every wait: rendezvous, control messages and collectives."""
     bucket_checksums: bool | None = None
     """Sender: checksum every bucket (None: on). Receivers decide for themselves whether they
     require checksums (engine-side `VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS`, on unless set to 0); a
     sender with checksums off cannot push to a receiver that requires them."""
-    secret: str = ""
+    secret: Hex = ""
     """Shared secret (hex) authenticating control frames with HMAC-SHA256; empty disables."""
-    senders: tuple[tuple[str, int], ...] = ()
+    senders: tuple[tuple[Host, Port], ...] = ()
     """Several senders: `(host, group_port)` of the data-plane group of senders 1..M-1, each
     hosted by that sender (sender 0, the coordinator, is `host`/`group_port`). Receivers then
     start at rank M. Empty: one sender."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "senders", tuple((str(h), int(p)) for h, p in self.senders))
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
+        for name, hint in _HINTS.items():
+            value = getattr(self, name)
+            try:
+                checked = msgspec.convert(value, hint)
+            except msgspec.ValidationError as e:
+                choices = f" (one of {list(BACKENDS)})" if name == "backend" else ""
+                raise ValueError(f"SyncConfig.{name}={value!r}: {e}{choices}") from None
+            msgspec.structs.force_setattr(self, name, checked)  # [[h, p]] -> ((h, p),), 1 -> 1.0
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """The rules between fields (each field's own bounds are its annotation's)."""
         if self.backend in SAME_HOST and self.senders:
             raise ValueError(f"the {self.backend} plane takes one sender (its buffers are the "
                              "sender's memory); several senders need gloo or nccl")
         if self.world_size < self.num_senders + 1:
             raise ValueError(f"world_size {self.world_size} must be >= {self.num_senders + 1} "
                              f"({self.num_senders} sender(s) and a receiver)")
-        if self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN:
-            raise ValueError(f"bucket_bytes {self.bucket_bytes} must be a positive multiple of {ALIGN}")
-        for name in ("control_port", "group_port"):
-            if not 0 < getattr(self, name) < 65536:
-                raise ValueError(f"{name} {getattr(self, name)} out of range")
         if self.control_port == self.group_port:
-            raise ValueError("control_port and group_port must differ")
-        for host, port in self.senders:
-            if not 0 < port < 65536:
-                raise ValueError(f"group_port {port} of sender {host} out of range")
+            raise ValueError(f"control_port and group_port must differ (both {self.group_port})")
         addrs = [(self.host, self.group_port), *self.senders]
         if len(set(addrs)) != len(addrs):
             raise ValueError(f"senders' data-plane addresses must differ: {addrs}")
-        if self.timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
-        bytes.fromhex(self.secret)  # raises ValueError if not hex
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Every field that has a default, with it (`timeout_s` 120 s, `bucket_bytes` 512 MiB,
         ...): the one place front doors take their defaults from."""
-        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        return {f.name: f.default for f in msgspec.structs.fields(cls) if not f.required}
 
     @classmethod
     def build(cls, **kwargs: Any) -> SyncConfig:
@@ -93,7 +108,7 @@ class SyncConfig:
         field or an invalid value (as the constructor does).
         """
         given = {k: v for k, v in kwargs.items() if v is not None}
-        unknown = set(given) - {f.name for f in fields(cls)}
+        unknown = set(given) - set(cls.__struct_fields__)
         if unknown:
             raise ValueError(f"unknown SyncConfig fields: {sorted(unknown)}")
         if "world_size" not in given:
@@ -115,8 +130,8 @@ class SyncConfig:
         if not self.senders:
             return self
         host, port = (self.host, self.group_port) if src == 0 else self.senders[src - 1]
-        return replace(self, host=host, group_port=port, senders=(),
-                       world_size=self.world_size - self.num_senders + 1)
+        return msgspec.structs.replace(self, host=host, group_port=port, senders=(),
+                                       world_size=self.world_size - self.num_senders + 1)
 
     @property
     def secret_bytes(self) -> bytes | None:
@@ -125,18 +140,21 @@ class SyncConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-friendly dict (`from_dict` takes it back)."""
-        d = asdict(self)
+        d = msgspec.structs.asdict(self)
         d["senders"] = [list(a) for a in self.senders]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SyncConfig:
         """The config of `to_dict`; `ValueError` for unknown fields or invalid values."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        unknown = set(d) - set(cls.__struct_fields__)
         if unknown:
             raise ValueError(f"unknown SyncConfig fields: {sorted(unknown)}")
         return cls(**d)
+
+
+_HINTS: dict[str, Any] = typing.get_type_hints(SyncConfig, include_extras=True)
+"""Each field's annotation, bounds included: what `__post_init__` checks a value against."""
 
 
 def free_ports(host: str, n: int, taken: set[int] | frozenset[int] = frozenset()) -> list[int]:

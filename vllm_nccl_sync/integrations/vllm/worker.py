@@ -18,7 +18,7 @@ import torch
 from vllm_nccl_sync.engine.handshake import Reference, checkpoint_reference
 from vllm_nccl_sync.engine.session import EngineSession, Placement
 from vllm_nccl_sync.integrations.vllm.checksums import VllmLayout
-from vllm_nccl_sync.planes.base import local_address
+from vllm_nccl_sync.planes.rendezvous import local_address
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import dtype_name
 
