@@ -15,7 +15,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[1] / "vllm_nccl_sync"
 
 LAYERS = {
-    "outcomes": 0, "wire": 0,
+    "outcomes": 0, "wire": 0, "moved": 0,
     "planes": 1,
     "trainer": 2, "engine": 2,
     "integrations": 3,

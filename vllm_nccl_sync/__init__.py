@@ -9,6 +9,7 @@ kinds, `WorkerSummary`. The layout of the package is drawn in docs/architecture.
 
 from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle, HTTPHandle, LLMHandle
 from vllm_nccl_sync.integrations.vllm.ext import Ext
+from vllm_nccl_sync.moved import install as _install_moved
 from vllm_nccl_sync.outcomes import (
     PeerFailed,
     ProtocolError,
@@ -32,3 +33,4 @@ __all__ = [
     "verify",
 ]
 __version__ = "0.1.0"
+_install_moved()  # old import paths keep working, with a DeprecationWarning (moved.MOVED)
