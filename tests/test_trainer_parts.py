@@ -16,6 +16,7 @@ import torch
 
 from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
 from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.rounds import Rounds
 from vllm_nccl_sync.trainer.send import Sender, send
@@ -93,6 +94,13 @@ def test_stale_messages_never_extend_a_gather(joined):
     assert time.monotonic() - t0 < 20  # the 60 s of stale traffic did not hold it open
     assert e.value.missing == [1] and e.value.errors == {}, e.value
     assert "no Ready from ranks [1] within 1.0 s" in str(e.value)
+
+
+def test_a_deadline_counts_down_from_when_it_was_set():
+    deadline = Deadline(0.2)
+    assert 0.0 < deadline.left() <= 0.2 and not deadline.passed()
+    time.sleep(0.25)
+    assert deadline.left() == 0.0 and deadline.passed()
 
 
 def test_an_error_naming_no_update_fails_none(joined):

@@ -121,7 +121,6 @@ def send(s: Sender, version: int, caster: Caster, *, staged: bool,
     Raises `UpdateRefused` for a refused plan (nothing moved), else `PushError`."""
     lane = s.lane
     lane.begin()
-    t0 = time.perf_counter()
     try:
         with lane.transport.armed(s.armed_s, f"update {version}"):
             buckets = s.agree()
