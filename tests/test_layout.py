@@ -36,13 +36,11 @@ MAX_FUNCTION_LINES = 60
 """A function is one step: longer ones are split by what they do (files are split by concept,
 never by length)."""
 LONG_FUNCTIONS = {
-    "trainer/push.py:_send": 110,
-    "trainer/multisend.py:coordinate": 106,
     "bench.py:_role": 84,
     "demo.py:run": 71,
 }
-"""Functions longer than the bound today, each at most as long as it is now: the two send loops
-become one send template, the benchmark and demo drivers are scripts."""
+"""Functions longer than the bound today, each at most as long as it is now: the benchmark and
+demo drivers are scripts."""
 
 
 def _modules() -> dict[str, pathlib.Path]:

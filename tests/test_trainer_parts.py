@@ -6,6 +6,7 @@ No test sleeps and then asserts: deadlines only bound waits."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -15,15 +16,27 @@ import torch
 
 from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
 from vllm_nccl_sync.planes.base import Transport
+from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.rounds import Rounds
+from vllm_nccl_sync.trainer.send import Sender, send
 from vllm_nccl_sync.trainer.sync import WeightSync, free_port
 from vllm_nccl_sync.trainer.tensors import Caster, engine_dtype, faithful
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import plan_buckets
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
-from vllm_nccl_sync.wire.protocol import Abort, Error, Go, Hello, Plan, Ready, Source
+from vllm_nccl_sync.wire.protocol import (
+    Abort,
+    Ack,
+    BucketHeader,
+    Error,
+    Go,
+    Hello,
+    Plan,
+    Ready,
+    Source,
+)
 
 # ---------------------------------------------------------------- rounds
 
@@ -81,6 +94,13 @@ def test_stale_messages_never_extend_a_gather(joined):
     assert time.monotonic() - t0 < 20  # the 60 s of stale traffic did not hold it open
     assert e.value.missing == [1] and e.value.errors == {}, e.value
     assert "no Ready from ranks [1] within 1.0 s" in str(e.value)
+
+
+def test_a_deadline_counts_down_from_when_it_was_set():
+    deadline = Deadline(0.2)
+    assert 0.0 < deadline.left() <= 0.2 and not deadline.passed()
+    time.sleep(0.25)
+    assert deadline.left() == 0.0 and deadline.passed()
 
 
 def test_an_error_naming_no_update_fails_none(joined):
@@ -261,6 +281,150 @@ def test_the_cast_rule():
         "bfloat16"
     with pytest.raises(PushError, match=r"ranks \[1\] hold bfloat16; ranks \[2\] hold float32"):
         engine_dtype({1: hello(1, "bfloat16"), 2: hello(2, "float32")})
+
+
+# ---------------------------------------------------------------- the send template
+
+
+class _Plane:
+    def __init__(self) -> None:
+        self.given_up: list[str] = []
+
+    @contextlib.contextmanager
+    def armed(self, seconds: float, what: str):
+        yield
+
+    def abort(self, reason: str) -> None:
+        self.given_up.append(reason)
+
+
+class _Lane:
+    """What `send` uses of a `BucketLane`: counts, and checksums of what was posted."""
+
+    def __init__(self) -> None:
+        self.transport = _Plane()
+        self.begin()
+
+    def begin(self) -> None:
+        self.posted = self.bytes = self.tensors = 0
+
+    def post(self, header: BucketHeader, wire) -> None:
+        self.bytes += wire().numel()
+        self.posted += 1
+        self.tensors += 1
+
+    def drain(self) -> dict[int, int]:
+        return {k: 100 + k for k in range(self.posted)}
+
+
+STEPS = ["agree", "buckets", "checked", "seal", "commit1", "verified", "commit2"]
+
+
+class _Scripted(Sender):
+    """A sender of three 4-byte buckets that fails at step `fail` with `error`; it leads (one
+    sender, the coordinator: its own verdict) or follows (a peer sender: another's verdict)."""
+
+    def __init__(self, side: str, fail: str = "", error: Exception | None = None) -> None:
+        self.lane, self.verdict, self.side, self.armed_s = _Lane(), self, side, 1.0
+        self.fail, self.error = fail, error or RuntimeError(f"boom in {fail}")
+        self.calls: list[tuple] = []
+
+    def _step(self, name: str, *args) -> None:
+        self.calls.append((name, *args))
+        if name == self.fail:
+            raise self.error
+
+    def agree(self):
+        self._step("agree")
+        return self._buckets()
+
+    def _buckets(self):
+        for seq in range(3):
+            if seq == 2:
+                self._step("buckets")
+            yield BucketHeader(P, 3, seq, 4, seq == 2, []), lambda: torch.zeros(4, dtype=torch.uint8)
+
+    def checked(self, sums: dict[int, int]) -> int:
+        self._step("checked", dict(sums))
+        return self.lane.posted
+
+    def seal(self, version: int, buckets: int, sums) -> None:
+        self._step("seal", version, buckets, dict(sums))
+
+    def commit(self, buckets: int, phase: int) -> list[Ack]:
+        self._step(f"commit{phase}", buckets)
+        return [Ack(P, 1, 3, buckets, 12, 3, 0.0, phase)]
+
+    def abort(self, seq: int, reason: str) -> None:
+        self.calls.append(("abort", seq, reason))
+
+    def stop(self) -> tuple[int, str]:
+        return self.lane.posted, f" at bucket {self.lane.posted}"
+
+    def out_of_step(self, e: BaseException) -> bool:
+        return self.lane.posted > 0
+
+    def verified(self) -> None:
+        self._step("verified")
+
+
+def _push(s: _Scripted, staged: bool = True):
+    return send(s, 3, Caster(None), staged=staged, verified=s.verified,
+                progress=lambda *a: s.calls.append(("progress", *a[:2])))
+
+
+def test_the_send_template_runs_every_step_in_order_and_builds_the_result_once():
+    s = _Scripted("the trainer")
+    got = _push(s)
+    names = [c[0] for c in s.calls]
+    assert names == ["agree", "progress", "progress", "buckets", "progress", "checked", "seal",
+                     "commit1", "verified", "commit2"], names
+    assert ("seal", 3, 3, {0: 100, 1: 101, 2: 102}) in s.calls
+    assert (got.version, got.buckets, got.bytes, got.tensors) == (3, 3, 12, 3)
+    assert [a.phase for a in got.acks] == [1] and got.per_sender == {} and got.cast == {}
+    assert s.lane.transport.given_up == []
+    s = _Scripted("the trainer")
+    _push(s, staged=False)  # one phase: one Commit, nothing verified first
+    assert [c[0] for c in s.calls][-2:] == ["seal", "commit1"], s.calls
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_failure_at_each_step_is_answered_and_translated_once_the_same_for_every_sender(step):
+    """Whichever sender (one, the coordinator, a peer) and step: `Abort` told once, the group
+    given up once where a collective may be pending, one `PushError` naming the update, where it
+    stopped and the sender, caused by the failure."""
+    texts = {}
+    for side in ("the trainer", "the coordinator", "sender 1"):
+        s = _Scripted(side, step)
+        with pytest.raises(PushError) as e:
+            _push(s)
+        posted = s.lane.posted
+        assert type(e.value) is PushError and e.value.__cause__ is s.error
+        assert [c for c in s.calls if c[0] == "abort"] == [("abort", posted, f"boom in {step}")]
+        assert s.lane.transport.given_up == ([f"update 3 failed: boom in {step}"] if posted
+                                             else [])
+        texts[side] = str(e.value).replace(side, "SIDE")
+        assert str(e.value) == f"update 3 failed at bucket {posted} on {side}: " \
+                               f"RuntimeError('boom in {step}')"
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_the_template_raises_a_push_error_as_it_is_and_tells_no_abort_of_a_refusal():
+    failed = PushError("update 3 failed at bucket 2: rank 1: bad checksum", {1: "bad"}, [2])
+    s = _Scripted("the trainer", "checked", failed)
+    with pytest.raises(PushError) as e:
+        _push(s)
+    assert e.value is failed and [c[0] for c in s.calls].count("abort") == 1
+    refused = UpdateRefused("update 3 refused at the plan: rank 1: no such tensor")
+    s = _Scripted("the trainer", "agree", refused)
+    with pytest.raises(UpdateRefused) as e:
+        _push(s)
+    assert e.value is refused and "abort" not in [c[0] for c in s.calls]
+    assert s.lane.transport.given_up == []  # nothing moved: the group stays
+    s = _Scripted("the coordinator", "commit1", PeerFailed("rank 4 went away", 4))
+    with pytest.raises(PushError) as e:
+        _push(s)
+    assert e.value.missing == [4] and "rank 4 left the data plane" in str(e.value)
 
 
 # ---------------------------------------------------------------- one set of defaults

@@ -1,5 +1,6 @@
-"""Several senders in one update: the coordinator's side (`coordinate`) and the others'
-(`PeerSender`). One sender never comes here (`PushClient.push` runs alone).
+"""Several senders in one update: the coordinator's side (`Coordinator`) and the others'
+(`PeerSender`, each update a `PeerUpdate`), each a supplier of the send template (`send`). One
+sender never comes here (`push.OneSender`).
 
 Sender 0, the coordinator, runs the control plane with the receivers as one sender does (the same
 `Rounds` and `BucketLane`); the other senders reach it over the same ROUTER. Per update: each
@@ -25,17 +26,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
-from vllm_nccl_sync.outcomes import PushError, as_push_error, clip
+from vllm_nccl_sync.outcomes import PushError, clip
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.registry import open_transport
+from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners
 from vllm_nccl_sync.trainer.rounds import Rounds
-from vllm_nccl_sync.trainer.tensors import Caster, Progress, PushResult, faithful, without_aliases
+from vllm_nccl_sync.trainer.send import Buckets, Lead, Sender, send
+from vllm_nccl_sync.trainer.tensors import Caster, PushResult, faithful, without_aliases
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import DTYPES, alone_bytes, dtype_name
@@ -43,6 +47,7 @@ from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
+    Ack,
     BucketHeader,
     Commit,
     Digest,
@@ -52,7 +57,6 @@ from vllm_nccl_sync.wire.protocol import (
     Offer,
     Plan,
     Ready,
-    Seal,
     SenderHello,
     Sent,
     TensorSpec,
@@ -76,121 +80,138 @@ def _wire_spec(caster: Caster, t: TensorSpec) -> TensorSpec:
     return TensorSpec(t.name, dtype_name(caster.target(t.name, held)), t.shape)
 
 
-def _post_all(lane: BucketLane, headers: list[BucketHeader], by_name: dict[str, torch.Tensor],
-              progress: Progress | None, t0: float) -> None:
-    """Post every header of `headers` on `lane`, from the tensors `by_name`."""
+def _owned(lane: BucketLane, headers: list[BucketHeader],
+           by_name: dict[str, torch.Tensor]) -> Buckets:
+    """Every bucket of `headers`, from the tensors `by_name` this sender holds."""
     for h in headers:
-        lane.post(h, lambda h=h: lane.wire(h.slots, [by_name[s.name] for s in h.slots]))
-        if progress:
-            progress(lane.posted, lane.bytes, time.perf_counter() - t0)
+        yield h, lambda h=h: lane.wire(h.slots, [by_name[s.name] for s in h.slots])
 
 
-def coordinate(rounds: Rounds, lane: BucketLane, cfg: SyncConfig,
-               named_tensors: Mapping[str, torch.Tensor], version: int, caster: Caster, *,
-               force: bool = False, full: bool = False, staged: bool = False,
-               balance: bool = False, progress: Progress | None = None) -> PushResult:
-    """`PushClient.push` of sender 0 when there are several senders (see the module text)."""
-    lane.begin()
-    rounds.begin(version)
-    transport = lane.transport
-    items = [(n, caster(n, t)) for n, t in without_aliases(named_tensors)]
-    peers = rounds.peers
-    try:
-        offers = {0: (_specs(items), not balance)}
-        for r, o in rounds.gather(Offer, ranks=peers, who="senders",
+class Coordinator(Sender):
+    """Sender 0's update when there are several senders, as `send` takes it (see the module
+    text): the offers gathered, the plan made and agreed by everyone, its own buckets posted
+    while a thread relays the other senders' `Digest`s, their `Sent`s taken before the `Seal`."""
+
+    side = "the coordinator"
+
+    def __init__(self, rounds: Rounds, lane: BucketLane, cfg: SyncConfig,
+                 named_tensors: Mapping[str, torch.Tensor], version: int, caster: Caster, *,
+                 force: bool = False, full: bool = False, staged: bool = False,
+                 balance: bool = False) -> None:
+        self.rounds, self.lane, self.cfg = rounds, lane, cfg
+        self.verdict = Lead(rounds)
+        self.armed_s = cfg.timeout_s
+        self.version, self.caster = version, caster
+        self.force, self.full, self.staged, self.balance = force, full, staged, balance
+        self._source: Mapping[str, torch.Tensor] | None = named_tensors
+        self.headers: list[BucketHeader] = []
+        self.done: dict[int, Sent] = {}
+        """Each other sender's `Sent`."""
+
+    def _plan(self, items: list[tuple[str, torch.Tensor]]) -> Plan:
+        """The update's plan, from every sender's `Offer` (and this one's `items`)."""
+        rounds, cfg, version = self.rounds, self.cfg, self.version
+        offers = {0: (_specs(items), not self.balance)}
+        for r, o in rounds.gather(Offer, ranks=rounds.peers, who="senders",
                                   what="failed before its plan").items():
-            offers[r] = ([_wire_spec(caster, t) for t in o.tensors], o.owned)
+            offers[r] = ([_wire_spec(self.caster, t) for t in o.tensors], o.owned)
         try:
             owner = plan_owners(offers)
         except OwnershipError as e:
             raise PushError(f"update {version} refused: {e}") from None
         order = {r: [t for t in specs if owner[t.name] == r] for r, (specs, _) in offers.items()}
         tensors = list({t.name: t for specs, _ in offers.values() for t in specs}.values())
-        headers = plan_headers(order, cfg.bucket_bytes, version, PROTOCOL_VERSION, force, staged,
-                               alone_bytes(cfg.bucket_bytes, cfg.backend))
-        plan = Plan(PROTOCOL_VERSION, version, tensors, full, force, None, headers, staged)
+        self.headers = plan_headers(order, cfg.bucket_bytes, version, PROTOCOL_VERSION,
+                                    self.force, self.staged,
+                                    alone_bytes(cfg.bucket_bytes, cfg.backend))
+        plan = Plan(PROTOCOL_VERSION, version, tensors, self.full, self.force, None,
+                    self.headers, self.staged)
         if len(encode(plan)) > MAX_FRAME_BYTES:
-            raise PushError(f"update {version}: its plan ({len(headers)} buckets) exceeds one "
-                            f"control frame; raise bucket_bytes")
-    except PushError as e:
-        rounds.abort(-1, str(e))
-        raise
-    total = len(headers)
-    rounds.open(plan, total - 1, rounds.everyone)  # a refusal: Abort to all, UpdateRefused
-    done: dict[int, Sent] = {}
+            raise PushError(f"update {version}: its plan ({len(self.headers)} buckets) exceeds "
+                            f"one control frame; raise bucket_bytes")
+        return plan
 
-    def relay(rank: int, msg: Message) -> bool:
+    def agree(self) -> Buckets:
+        """The plan to every receiver and sender, one `Go` (a refusal: `UpdateRefused`)."""
+        self.rounds.begin(self.version)
+        named, self._source = self._source, None
+        items = [(n, self.caster(n, t)) for n, t in without_aliases(named)]
+        plan = self._plan(items)
+        self.rounds.open(plan, len(self.headers) - 1, self.rounds.everyone)
+        return _owned(self.lane, [h for h in self.headers if h.src == 0], dict(items))
+
+    def _relay(self, rank: int, msg: Message) -> bool:
         """Another sender's `Digest` goes on to the receivers unchanged (each checks it before
         loading the bucket); its `Sent` is kept."""
-        if rank in peers and isinstance(msg, Digest):
-            rounds.tell(msg)
+        if rank in self.rounds.peers and isinstance(msg, Digest):
+            self.rounds.tell(msg)
             return True
-        if rank in peers and isinstance(msg, Sent):
-            done[rank] = msg
+        if rank in self.rounds.peers and isinstance(msg, Sent):
+            self.done[rank] = msg
             return True
         return False
 
-    # While this sender's collectives run (a gloo send completes only once every receiver took
-    # it, and they take bucket k only after the Digest of every bucket before it), a thread
-    # relays the other senders' Digests.
-    stop = threading.Event()
+    @contextmanager
+    def beside(self) -> Iterator[None]:
+        """While this sender's collectives run (a gloo send completes only once every receiver
+        took it, and they take bucket k only after the Digest of every bucket before it), a
+        thread relays the other senders' Digests."""
+        stop = threading.Event()
 
-    def relay_loop() -> None:
-        while not stop.is_set():
-            rounds.poll(time.monotonic() + _POLL_S, relay=relay)
-            time.sleep(_POLL_S / 10)  # let the pushing thread have the socket
+        def relay_loop() -> None:
+            while not stop.is_set():
+                self.rounds.poll(Deadline(_POLL_S), relay=self._relay)
+                time.sleep(_POLL_S / 10)  # let the pushing thread have the socket
 
-    relayer = threading.Thread(target=relay_loop, name="nccl-sync-relay", daemon=True)
-    t0 = time.perf_counter()
-    try:
-        with transport.armed(cfg.timeout_s, f"update {version}"):
-            relayer.start()
-            try:
-                _post_all(lane, [h for h in headers if h.src == 0], dict(items), progress, t0)
-                sums = lane.drain()
-            finally:
-                stop.set()
-                relayer.join()
-            transport.extend(2 * cfg.timeout_s)
-            try:  # every other sender's Sent (or the first Error)
-                done.update(rounds.gather(Sent, ranks=[r for r in peers if r not in done],
-                                          who="senders", relay=relay, stop_on_error=True))
-            except PushError:
-                pass  # named below
-            if lane.failure is not None:  # the tensor source failed
-                raise lane.failure
-            lost, left = lane.lost_problem(cfg.num_senders - 1)
-            silent = [r for r in peers if r not in done and r not in rounds.errors]
-            notes = ([f"senders {silent} did not finish their buckets (dead?)"] if silent
-                     else []) + ([lost] if lost else [])
-            if rounds.errors or rounds.unreachable or notes:
-                raise rounds.failure("failed", silent + left, "; ".join(notes))
-            for r, s in done.items():
-                sums.update(s.checksums)
-                want = {h.seq for h in headers if h.src == r}
-                if set(s.checksums) != want:
-                    raise PushError(f"update {version}: sender {r} reported buckets "
-                                    f"{sorted(s.checksums)[:8]}, its plan has {sorted(want)[:8]}")
-            rounds.send_all(Seal(PROTOCOL_VERSION, version, total,
-                                 [sums.get(k, 0) for k in range(total)]))
-            acks = rounds.commit(total, 1)
-            if staged:
-                rounds.commit(total, 2)
-    except Exception as e:  # a receiver, a sender or the tensor source failed: end every wait
-        rounds.abort(total, str(e))
-        # Past the Go, a failure may have left any sender's group out of step (or its sender
-        # gone): every rank gives its groups up and joins again.
-        transport.abort(f"update {version} failed: {clip(str(e), 300)}")
-        err = as_push_error(e, f"update {version} failed", "the coordinator")
-        if err is e:
-            raise
-        raise err from e
-    per_sender = {0: lane.bytes}
-    for h in headers:
-        if h.src:
-            per_sender[h.src] = per_sender.get(h.src, 0) + h.length
-    return PushResult(version, lane.posted, lane.bytes, lane.tensors, time.perf_counter() - t0,
-                      list(acks.values()), per_sender, dict(caster.cast))
+        relayer = threading.Thread(target=relay_loop, name="nccl-sync-relay", daemon=True)
+        relayer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            relayer.join()
+
+    def checked(self, sums: dict[int, int]) -> int:
+        """Every other sender's `Sent` (or the first `Error`); their checksums added."""
+        rounds, cfg, version = self.rounds, self.cfg, self.version
+        self.lane.transport.extend(2 * cfg.timeout_s)
+        peers = rounds.peers
+        try:
+            self.done.update(rounds.gather(Sent, ranks=[r for r in peers if r not in self.done],
+                                           who="senders", relay=self._relay,
+                                           stop_on_error=True))
+        except PushError:
+            pass  # named below
+        if self.lane.failure is not None:  # the tensor source failed
+            raise self.lane.failure
+        lost, left = self.lane.lost_problem(cfg.num_senders - 1)
+        silent = [r for r in peers if r not in self.done and r not in rounds.errors]
+        notes = ([f"senders {silent} did not finish their buckets (dead?)"] if silent
+                 else []) + ([lost] if lost else [])
+        if rounds.errors or rounds.unreachable or notes:
+            raise rounds.failure("failed", silent + left, "; ".join(notes))
+        for r, s in self.done.items():
+            sums.update(s.checksums)
+            want = {h.seq for h in self.headers if h.src == r}
+            if set(s.checksums) != want:
+                raise PushError(f"update {version}: sender {r} reported buckets "
+                                f"{sorted(s.checksums)[:8]}, its plan has {sorted(want)[:8]}")
+        return len(self.headers)
+
+    def stop(self) -> tuple[int, str]:
+        return (len(self.headers) if self.rounds.agreed >= 0 else -1), ""
+
+    def out_of_step(self, e: BaseException) -> bool:
+        """Past the Go, a failure may have left any sender's group out of step (or its sender
+        gone): every rank gives its groups up and joins again."""
+        return self.rounds.agreed >= 0
+
+    def per_sender(self) -> dict[int, int]:
+        out = {0: self.lane.bytes}
+        for h in self.headers:
+            if h.src:
+                out[h.src] = out.get(h.src, 0) + h.length
+        return out
 
 
 class PeerSender:
@@ -206,7 +227,7 @@ class PeerSender:
         self.lane: BucketLane | None = None
         # The coordinator may wait `timeout_s` for the other senders and as long for the
         # receivers before its verdict: wait for it a little longer than both.
-        self._verdict_s = 2 * cfg.timeout_s + max(1.0, 0.1 * cfg.timeout_s)
+        self.verdict_s = 2 * cfg.timeout_s + max(1.0, 0.1 * cfg.timeout_s)
 
     def connect(self) -> dict:
         """Join the coordinator, then host this sender's group until every receiver joined it."""
@@ -219,16 +240,16 @@ class PeerSender:
                                digest=lambda d: self.channel.send(d, cfg.timeout_s))
         return {}
 
-    def _expect(self, kind: type, version: int, what: str, phase: int | None = None):
+    def expect(self, kind: type, version: int, what: str, phase: int | None = None):
         """The coordinator's next `kind` of update `version`, within the verdict timeout from now
         (its `Abort` raises `PushError`)."""
-        deadline = time.monotonic() + self._verdict_s
+        deadline = Deadline(self.verdict_s)
         while True:
             try:
-                msg = self.channel.recv(max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
+                msg = self.channel.recv(deadline.left(), fail_on_drop=True)
             except (TimeoutError, ConnectionError) as e:
                 raise PushError(f"update {version}: the coordinator (sender 0) said nothing "
-                                f"within {self._verdict_s:.1f} s while sender {self.rank} "
+                                f"within {self.verdict_s:.1f} s while sender {self.rank} "
                                 f"waited for {what} (coordinator dead?): {e}") from None
             if not belongs(msg, version):
                 continue
@@ -238,19 +259,75 @@ class PeerSender:
             if isinstance(msg, kind) and (phase is None or getattr(msg, "phase", phase) == phase):
                 return msg
 
-    def _refuse(self, version: int, problem: str) -> None:
+    def refuse(self, version: int, problem: str) -> None:
+        """Tell the coordinator why this sender cannot go on with update `version`."""
         try:
             self.channel.send(Error(PROTOCOL_VERSION, self.rank, -1, clip(problem), " ",
                                     version), min(self.cfg.timeout_s, 5.0))
         except (TimeoutError, OSError):
             pass  # the coordinator's verdict (or its silence) ends the update anyway
 
-    def _problem(self, plan: Plan, mine: list[BucketHeader], by_name: dict[str, torch.Tensor],
-                 caster: Caster, flags: tuple[bool, bool, bool]) -> str:
+    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int, *,
+             dtype: torch.dtype | None = None, force: bool = False, full: bool = False,
+             staged: bool = False, balance: bool = False) -> PushResult:
+        """Offer these tensors for update `version` and send the buckets the plan gives this
+        sender; returns once the coordinator committed the update (`PushError` otherwise)."""
+        caster = Caster(dtype)
+        update = PeerUpdate(self, named_tensors, version, caster, (force, staged, full),
+                            balance=balance)
+        return send(update, version, caster, staged=staged)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.channel.close()
+
+
+class PeerUpdate(Sender):
+    """Sender `rank` > 0's update, as `send` takes it: its `Offer`, the coordinator's plan checked
+    and answered (`Ready`), its buckets once the `Go` came; its verdict follows the coordinator's
+    (`Sent`, then its `Commit`s, or its `Abort`)."""
+
+    def __init__(self, peer: PeerSender, named_tensors: Mapping[str, torch.Tensor],
+                 version: int, caster: Caster, flags: tuple[bool, bool, bool], *,
+                 balance: bool) -> None:
+        self.peer, self.lane, self.verdict = peer, peer.lane, self
+        self.side = f"sender {peer.rank}"
+        self.armed_s = peer.verdict_s
+        self.version, self.caster, self.flags, self.balance = version, caster, flags, balance
+        self._source: Mapping[str, torch.Tensor] | None = named_tensors
+        self.ready = False
+        """This sender said `Ready`: the coordinator may have sent `Go` to everyone."""
+
+    def agree(self) -> Buckets:
+        """Offer, take the plan, check this sender's part of it, `Ready`, then the `Go`."""
+        peer, version, timeout_s = self.peer, self.version, self.peer.cfg.timeout_s
+        named, self._source = self._source, None
+        items = [(n, self.caster(n, t)) for n, t in without_aliases(named)]
+        by_name = dict(items)
+        peer.channel.send(Offer(PROTOCOL_VERSION, peer.rank, version, _specs(items),
+                                not self.balance), timeout_s)
+        plan = peer.expect(Plan, version, "the Plan")
+        mine = [h for h in plan.buckets if h.src == peer.rank]
+        problem = self._problem(plan, mine, by_name)
+        if problem:
+            peer.refuse(version, problem)
+            peer.expect(Abort, version, "the Abort of a refused plan")  # raises PushError
+        last = plan.buckets[-1].seq
+        peer.channel.send(Ready(PROTOCOL_VERSION, peer.rank, last, version), timeout_s)
+        self.ready = True
+        self.lane.transport.extend(peer.verdict_s)  # the verdict's wait counts from here
+        go = peer.expect(Go, version, "Go")
+        if go.seq < last:
+            raise PushError(f"update {version}: Go covers bucket {go.seq}, not all {last + 1}")
+        return _owned(self.lane, mine, by_name)
+
+    def _problem(self, plan: Plan, mine: list[BucketHeader],
+                 by_name: dict[str, torch.Tensor]) -> str:
         """Why this sender cannot send its part of `plan` ("" if it can). A tensor the plan
         carries in another dtype is cast to it where the cast is faithful and no `dtype` was
         asked for (the coordinator decides the wire dtype)."""
-        bad = set()
+        rank, caster, bad = self.peer.rank, self.caster, set()
         for s in (s for h in mine for s in h.slots):
             t, want = by_name.get(s.name), DTYPES.get(s.dtype)
             if t is None or list(t.shape) != s.shape or want is None:
@@ -260,66 +337,42 @@ class PeerSender:
             elif t.dtype != want:
                 bad.add(s.name)
         if bad:
-            return (f"sender {self.rank} holds no such tensor(s) as the plan gives it: "
-                    f"{sorted(bad)[:5]}")
-        if (plan.force, plan.staged, plan.full) != flags:
-            return (f"sender {self.rank} pushes force/staged/full={flags}, the coordinator "
+            return f"sender {rank} holds no such tensor(s) as the plan gives it: {sorted(bad)[:5]}"
+        if (plan.force, plan.staged, plan.full) != self.flags:
+            return (f"sender {rank} pushes force/staged/full={self.flags}, the coordinator "
                     f"{(plan.force, plan.staged, plan.full)}")
         return ""
 
-    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int, *,
-             dtype: torch.dtype | None = None, force: bool = False, full: bool = False,
-             staged: bool = False, balance: bool = False) -> PushResult:
-        """Offer these tensors for update `version` and send the buckets the plan gives this
-        sender; returns once the coordinator committed the update (`PushError` otherwise)."""
-        cfg, lane = self.cfg, self.lane
-        caster = Caster(dtype)
-        items = [(n, caster(n, t)) for n, t in without_aliases(named_tensors)]
-        by_name = dict(items)
-        self.channel.send(Offer(PROTOCOL_VERSION, self.rank, version, _specs(items),
-                                not balance), cfg.timeout_s)
-        plan = self._expect(Plan, version, "the Plan")
-        mine = [h for h in plan.buckets if h.src == self.rank]
-        problem = self._problem(plan, mine, by_name, caster, (force, staged, full))
-        if problem:
-            self._refuse(version, problem)
-            self._expect(Abort, version, "the Abort of a refused plan")  # raises PushError
-        last = plan.buckets[-1].seq
-        self.channel.send(Ready(PROTOCOL_VERSION, self.rank, last, version), cfg.timeout_s)
-        lane.begin()
-        t0 = time.perf_counter()
-        try:
-            with self.transport.armed(self._verdict_s, f"update {version}"):
-                go = self._expect(Go, version, "Go")
-                if go.seq < last:
-                    raise PushError(f"update {version}: Go covers bucket {go.seq}, not all "
-                                    f"{last + 1}")
-                t0 = time.perf_counter()
-                _post_all(lane, mine, by_name, None, t0)
-                sums = lane.drain()
-                failure = lane.failure or (lane.lost[0] if lane.lost else None)
-                if failure is not None:  # tell the coordinator; its verdict says why
-                    text = f"sender {self.rank}: {clip(str(failure), 500)}"
-                    self._refuse(version, text)
-                    try:
-                        self._expect(Abort, version, "the verdict")
-                    except PushError as e:
-                        raise PushError(f"{e}; {text}") from None
-                self.channel.send(Sent(PROTOCOL_VERSION, self.rank, version, sums), cfg.timeout_s)
-                self.transport.extend(self._verdict_s)
-                self._expect(Commit, version, "Commit", 1)
-                if staged:
-                    self._expect(Commit, version, "Commit(2)", 2)
-        except Exception as e:  # past the Go: every rank gives its groups up (see coordinate)
-            self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
-            if isinstance(e, PushError):
-                raise
-            raise PushError(f"update {version} failed on sender {self.rank}: "
-                            f"{clip(repr(e))}") from e
-        return PushResult(version, lane.posted, lane.bytes, lane.tensors,
-                          time.perf_counter() - t0, [], cast=dict(caster.cast))
+    def checked(self, sums: dict[int, int]) -> int:
+        """A failure here goes to the coordinator; its verdict (`Abort`) says why."""
+        lane, peer = self.lane, self.peer
+        failure = lane.failure or (lane.lost[0] if lane.lost else None)
+        if failure is not None:
+            text = f"sender {peer.rank}: {clip(str(failure), 500)}"
+            peer.refuse(self.version, text)
+            try:
+                peer.expect(Abort, self.version, "the verdict")
+            except PushError as e:
+                raise PushError(f"{e}; {text}") from None
+        return lane.posted
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        self.channel.close()
+    def seal(self, version: int, buckets: int, sums: Mapping[int, int]) -> None:
+        """This sender's checksums to the coordinator, which seals the update."""
+        self.peer.channel.send(Sent(PROTOCOL_VERSION, self.peer.rank, version, dict(sums)),
+                               self.peer.cfg.timeout_s)
+        self.lane.transport.extend(self.peer.verdict_s)
+
+    def commit(self, buckets: int, phase: int) -> list[Ack]:
+        self.peer.expect(Commit, self.version, "Commit" if phase == 1 else f"Commit({phase})",
+                         phase)
+        return []
+
+    def abort(self, seq: int, reason: str) -> None:
+        """Nothing to tell: the coordinator decides (a failure here reached it as an `Error`)."""
+
+    def stop(self) -> tuple[int, str]:
+        return self.lane.posted, ""
+
+    def out_of_step(self, e: BaseException) -> bool:
+        """Past its `Ready`, every rank gives its groups up and joins again (see `Coordinator`)."""
+        return self.ready

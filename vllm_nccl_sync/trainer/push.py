@@ -21,19 +21,20 @@ was posted aborts the NCCL communicator (the client must then be replaced).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import msgspec
 import torch
 
-from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused, as_push_error, clip
+from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.registry import open_transport
+from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
-from vllm_nccl_sync.trainer.multisend import PeerSender, coordinate
+from vllm_nccl_sync.trainer.multisend import Coordinator, PeerSender
 from vllm_nccl_sync.trainer.rounds import Rounds
+from vllm_nccl_sync.trainer.send import Buckets, Lead, Sender, Wire, send
 from vllm_nccl_sync.trainer.tensors import (
     Caster,
     Progress,
@@ -58,7 +59,6 @@ from vllm_nccl_sync.wire.protocol import (
     BucketHeader,
     Hello,
     Plan,
-    Seal,
     SenderHello,
     TensorSpec,
 )
@@ -76,6 +76,137 @@ def _with_last(it: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
         yield cur, False
         cur = nxt
     yield cur, True
+
+
+class OneSender(Sender):
+    """One sender's update, as `send` takes it: a state dict laid out whole and announced in
+    one `Plan` (its tensors read where they lie on a plane that maps them), or a stream whose
+    next headers are announced while the buckets before them fly (see the module text)."""
+
+    side = "the trainer"
+
+    def __init__(self, rounds: Rounds, lane: BucketLane, cfg: SyncConfig,
+                 named_tensors: Mapping[str, torch.Tensor] | Iterable, version: int,
+                 caster: Caster, *, force: bool, full: bool, staged: bool,
+                 adapter: AdapterSpec | None, window: int) -> None:
+        self.rounds, self.lane, self.cfg = rounds, lane, cfg
+        self.verdict = Lead(rounds)
+        self.armed_s = cfg.timeout_s
+        self.version, self.caster, self.window = version, caster, window
+        self.force, self.full, self.staged, self.adapter = force, full, staged, adapter
+        self._source: Mapping[str, torch.Tensor] | Iterable | None = named_tensors
+        self.specs: list[TensorSpec] = []
+        self.packer: StreamPacker | None = None
+        self.planned: Iterator[tuple[Bucket, bool]] = iter(())
+        self.in_place = False  # a state dict's tensors may be read where they lie (`lane.layout`)
+        self.pending: deque[tuple[BucketHeader, Wire]] = deque()
+        """Announced buckets not yet sent: header, and how to get the wire bytes."""
+        self.failure: BaseException | None = None
+        """The tensor source's, after a Go."""
+
+    def _lay_out(self) -> None:
+        """The source as buckets: a state dict's planned now, a stream's as it is pulled."""
+        named, self._source = self._source, None
+        cfg, caster = self.cfg, self.caster
+        alone = alone_bytes(cfg.bucket_bytes, cfg.backend)
+        if isinstance(named, Mapping):
+            items = [(n, caster(n, t)) for n, t in without_aliases(named)]
+            self.specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
+            self.planned = _with_last(self.lane.layout(items, alone))
+            self.in_place = True
+        elif self.window > 1:  # holds the tensors of up to `window` announced buckets
+            self.planned = _with_last(plan_buckets(caster.each(named), cfg.bucket_bytes, alone))
+        else:  # each tensor is packed into a buffer as soon as it is pulled, and let go
+            self.packer = StreamPacker(caster.each(named), cfg.bucket_bytes)
+
+    def _plan_next(self) -> BucketHeader:
+        """Make the next bucket's header (and how to get its bytes), pending until sent."""
+        lane, pending = self.lane, self.pending
+        seq = pending[-1][0].seq + 1 if pending else lane.posted
+        if self.packer is not None:  # packed now, into the buffer it is sent from
+            slots, is_last, wire = lane.fill(self.packer)
+            h = BucketHeader(PROTOCOL_VERSION, self.version, seq, wire.numel(), is_last, slots,
+                             self.force, self.staged)
+            pending.append((h, lambda: wire))
+        else:
+            bucket, is_last = next(self.planned)
+            at = lane.at(bucket, seq) if self.in_place else None
+            h = bucket.header(self.version, seq, is_last, PROTOCOL_VERSION, self.force,
+                              self.staged, at)
+            pending.append((h, lambda: lane.wire(bucket.slots, bucket.sources)))
+        return h
+
+    def agree(self) -> Buckets:
+        """The `Plan` (every header of a state dict; a stream's first `window`), one `Go`."""
+        self.rounds.begin(self.version)
+        self._lay_out()
+        headers = [self._plan_next()]
+        size = len(msgspec.msgpack.encode(self.specs)) + len(msgspec.msgpack.encode(headers))
+        while (not headers[-1].is_last and (self.specs or len(headers) < self.window)
+               and size <= MAX_FRAME_BYTES // 2 and len(headers) < MAX_PLAN_BUCKETS):
+            headers.append(self._plan_next())  # past the bounds: the rest follows as a stream
+            size += len(msgspec.msgpack.encode(headers[-1]))
+        if any(h.at is not None for h in headers):
+            self.lane.settle()  # what receivers read where it lies is final, and summed
+        self.rounds.open(Plan(PROTOCOL_VERSION, self.version, self.specs, self.full, self.force,
+                              self.adapter, headers, self.staged), headers[-1].seq)
+        # A plan too big for one frame: the rest of its headers follow at the same distance.
+        self.window = max(self.window, len(headers))
+        return self._buckets()
+
+    def _buckets(self) -> Buckets:
+        """Each pending bucket once its `Go` came; after each, one more announced and the
+        answers taken. Ends early on a failure once every agreed bucket is out."""
+        lane, rounds = self.lane, self.rounds
+        while True:
+            if lane.posted > rounds.agreed:  # a stream's window fell behind the wire
+                rounds.await_go(lane.posted)
+            header = self.pending[0][0]
+            yield self.pending.popleft()
+            if header.is_last:
+                return
+            self._announce(header)
+            rounds.poll(hold=self._held())
+            if (self._held() or rounds.errors or rounds.unreachable) and \
+                    lane.posted > rounds.agreed:
+                return  # every agreed collective is posted: the live ranks are in step
+
+    def _held(self) -> bool:
+        """Whether this side failed (the tensor source, or a collective)."""
+        return bool(self.failure or self.lane.failure or self.lane.lost)
+
+    def _announce(self, posted: BucketHeader) -> None:
+        """Announce one more bucket while `posted` flies, up to `window` ahead of the wire."""
+        last = self.pending[-1][0] if self.pending else posted
+        if self._held() or self.rounds.errors or len(self.pending) >= self.window or \
+                last.is_last:
+            return
+        try:
+            nxt = self._plan_next()
+        except Exception as e:  # noqa: BLE001 - the tensor source failed
+            self.failure = e
+        else:
+            self.rounds.tell(nxt)
+
+    def checked(self, sums: dict[int, int]) -> int:
+        failure = self.failure or self.lane.failure
+        if failure is not None:
+            raise failure
+        lost, left = self.lane.lost_problem(0)
+        if lost or self.rounds.errors or self.rounds.unreachable:
+            raise self.rounds.failure(f"failed at bucket {self.lane.posted - 1}", left, lost)
+        return self.lane.posted
+
+    def stop(self) -> tuple[int, str]:
+        return self.lane.posted, f" at bucket {self.lane.posted}"
+
+    def out_of_step(self, e: BaseException) -> bool:
+        """Past a collective: a receiver that said nothing or left, or a `Go` whose collectives
+        were not all posted."""
+        lane = self.lane
+        in_step = lane.posted > self.rounds.agreed  # every collective a Go covers was posted
+        return bool(lane.posted and (getattr(e, "missing", []) or not in_step or lane.lost
+                                     or isinstance(e, PeerFailed)))
 
 
 class PushClient:
@@ -118,29 +249,27 @@ class PushClient:
         cfg = self.cfg
         self.transport = open_transport(cfg.group(0), 0, self.device)
         early: list[tuple[int, object]] = []  # other senders' first Offers
-        deadline = time.monotonic() + cfg.timeout_s
+        deadline = Deadline(cfg.timeout_s)
         while len(self.hellos) < len(self.ranks) or len(self.peers) < cfg.num_senders - 1:
-            rank, msg = self.channel.recv(deadline)
+            rank, msg = self.channel.recv(deadline.at)
             if isinstance(msg, SenderHello) and 0 < rank < cfg.num_senders:
-                if (msg.bucket_bytes, msg.backend) != (cfg.bucket_bytes, cfg.backend):
-                    raise PushError(f"sender {rank} runs bucket_bytes={msg.bucket_bytes} "
-                                    f"backend={msg.backend}, the coordinator "
-                                    f"{cfg.bucket_bytes} {cfg.backend}")
-                self.peers.add(rank)
-                continue
-            if rank in self.peers:  # a sender that joined already may offer its first update
+                who, us = f"sender {rank}", "the coordinator"
+            elif rank in self.peers:  # a sender that joined already may offer its first update
                 early.append((rank, msg))
                 continue
-            if not isinstance(msg, Hello):
+            elif not isinstance(msg, Hello):
                 raise PushError(f"expected Hello from rank {rank}, got {msg!r:.200}")
-            if msg.rank != rank or rank not in self.ranks:
+            elif msg.rank != rank or rank not in self.ranks:
                 raise PushError(f"Hello from socket rank {rank} claims rank {msg.rank}")
+            else:
+                who, us = f"rank {rank}", "the trainer"
             if (msg.bucket_bytes, msg.backend) != (cfg.bucket_bytes, cfg.backend):
-                raise PushError(
-                    f"rank {rank} runs bucket_bytes={msg.bucket_bytes} backend={msg.backend}, "
-                    f"the trainer {cfg.bucket_bytes} {cfg.backend}"
-                )
-            self.hellos[rank] = msg
+                raise PushError(f"{who} runs bucket_bytes={msg.bucket_bytes} "
+                                f"backend={msg.backend}, {us} {cfg.bucket_bytes} {cfg.backend}")
+            if isinstance(msg, Hello):
+                self.hellos[rank] = msg
+            else:
+                self.peers.add(rank)
         self.rounds = Rounds(self.channel, self.ranks, cfg.timeout_s, peers=sorted(self.peers),
                              early=early, extend=self.transport.extend)
         self.lane = BucketLane(self.transport, cfg.bucket_bytes,
@@ -236,127 +365,14 @@ class PushClient:
             return self._peer.push(named_tensors, version, dtype=dtype, force=force, full=full,
                                    staged=staged, balance=balance)
         caster = Caster(dtype, engine_dtype(self.hellos) if dtype is None else "")
-        if self.cfg.num_senders > 1:
-            result = coordinate(self.rounds, self.lane, self.cfg, named_tensors, version, caster,
-                                force=force, full=full, staged=staged, balance=balance,
-                                progress=progress)
-        else:
-            result = self._send(named_tensors, version, caster, progress=progress, force=force,
-                                full=full, staged=staged, adapter=adapter, window=window,
-                                verified=verified)
+        parts = (self.rounds, self.lane, self.cfg, named_tensors, version, caster)
+        sender: Sender = (
+            Coordinator(*parts, force=force, full=full, staged=staged, balance=balance)
+            if self.cfg.num_senders > 1 else
+            OneSender(*parts, force=force, full=full, staged=staged, adapter=adapter, window=window))
+        result = send(sender, version, caster, staged=staged, progress=progress, verified=verified)
         caster.report(version)
         return result
-
-    def _send(self, named_tensors: Mapping[str, torch.Tensor] | Iterable, version: int,
-              caster: Caster, *, progress: Progress | None, force: bool, full: bool,
-              staged: bool, adapter: AdapterSpec | None, window: int,
-              verified: Callable[[], None] | None = None) -> PushResult:
-        """One sender's update (see `push`)."""
-        cfg, lane, rounds = self.cfg, self.lane, self.rounds
-        lane.begin()
-        rounds.begin(version)
-        specs: list[TensorSpec] = []
-        packer = None
-        in_place = False  # a state dict's tensors may be read where they lie (`lane.layout`)
-        alone = alone_bytes(cfg.bucket_bytes, cfg.backend)
-        if isinstance(named_tensors, Mapping):
-            items = [(n, caster(n, t)) for n, t in without_aliases(named_tensors)]
-            specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
-            planned = _with_last(lane.layout(items, alone))
-            in_place = True
-            del items
-        elif window > 1:  # holds the tensors of up to `window` announced buckets
-            planned = _with_last(plan_buckets(caster.each(named_tensors), cfg.bucket_bytes,
-                                              alone))
-        else:  # each tensor is packed into a buffer as soon as it is pulled, and let go
-            packer = StreamPacker(caster.each(named_tensors), cfg.bucket_bytes)
-        pending: deque[tuple[BucketHeader, Callable[[], torch.Tensor]]] = deque()
-        """Announced buckets not yet sent: header, and how to get the wire bytes."""
-
-        def plan_next() -> BucketHeader:
-            seq = pending[-1][0].seq + 1 if pending else lane.posted
-            if packer is not None:  # packed now, into the buffer it is sent from
-                slots, is_last, wire = lane.fill(packer)
-                h = BucketHeader(PROTOCOL_VERSION, version, seq, wire.numel(), is_last, slots,
-                                 force, staged)
-                pending.append((h, lambda: wire))
-            else:
-                bucket, is_last = next(planned)
-                at = lane.at(bucket, seq) if in_place else None
-                h = bucket.header(version, seq, is_last, PROTOCOL_VERSION, force, staged, at)
-                pending.append((h, lambda: lane.wire(bucket.slots, bucket.sources)))
-            return h
-
-        t0 = time.perf_counter()
-        failure: BaseException | None = None  # the tensor source's, after a Go
-        try:
-            with self.transport.armed(cfg.timeout_s, f"update {version}"):
-                headers = [plan_next()]
-                size = len(msgspec.msgpack.encode(specs)) + len(msgspec.msgpack.encode(headers))
-                while (not headers[-1].is_last and (specs or len(headers) < window)
-                       and size <= MAX_FRAME_BYTES // 2 and len(headers) < MAX_PLAN_BUCKETS):
-                    headers.append(plan_next())  # past the bounds: the rest follows as a stream
-                    size += len(msgspec.msgpack.encode(headers[-1]))
-                if any(h.at is not None for h in headers):
-                    lane.settle()  # what receivers read where it lies is final, and summed
-                rounds.open(Plan(PROTOCOL_VERSION, version, specs, full, force, adapter, headers,
-                                 staged), headers[-1].seq)
-                window = max(window, len(headers))  # a plan too big for one frame: the rest
-                # of its headers follow at the same distance
-                t0 = time.perf_counter()
-                while True:
-                    if lane.posted > rounds.agreed:  # a stream's window fell behind the wire
-                        rounds.await_go(lane.posted)
-                    header, make_wire = pending.popleft()
-                    lane.post(header, make_wire)
-                    del make_wire
-                    if progress:
-                        progress(lane.posted, lane.bytes, time.perf_counter() - t0)
-                    if header.is_last:
-                        break
-                    held = failure or lane.failure or lane.lost
-                    last = pending[-1][0] if pending else header
-                    if not (held or rounds.errors) and len(pending) < window and not last.is_last:
-                        try:  # announce one more while this bucket flies
-                            nxt = plan_next()
-                        except Exception as e:  # noqa: BLE001 - the tensor source failed
-                            failure = e
-                        else:
-                            rounds.tell(nxt)
-                    rounds.poll(hold=bool(failure or lane.failure or lane.lost))
-                    failed = failure or lane.failure or lane.lost or rounds.errors or \
-                        rounds.unreachable
-                    if failed and lane.posted > rounds.agreed:
-                        break  # every agreed collective is posted: the live ranks are in step
-                sums = lane.drain()
-                failure = failure or lane.failure
-                if failure is not None:
-                    raise failure
-                lost, left = lane.lost_problem(0)
-                if lost or rounds.errors or rounds.unreachable:
-                    raise rounds.failure(f"failed at bucket {lane.posted - 1}", left, lost)
-                rounds.send_all(Seal(PROTOCOL_VERSION, version, lane.posted,
-                                     [sums.get(k, 0) for k in range(lane.posted)]))
-                acks = rounds.commit(lane.posted, 1)
-                if staged:
-                    if verified is not None:
-                        verified()
-                    rounds.commit(lane.posted, 2)
-        except Exception as e:  # a receiver or the tensor source failed: end every wait
-            if not isinstance(e, UpdateRefused):  # (a refusal was already answered by Abort)
-                rounds.abort(lane.posted, str(e))
-            in_step = lane.posted > rounds.agreed  # every collective a Go covers was posted
-            if lane.posted and (getattr(e, "missing", []) or not in_step or lane.lost
-                                or isinstance(e, PeerFailed)):
-                # A collective may be pending that will never complete: give the group up.
-                self.transport.abort(f"update {version} failed: {clip(str(e), 300)}")
-            err = as_push_error(e, f"update {version} failed at bucket {lane.posted}",
-                                "the trainer")
-            if err is e:
-                raise
-            raise err from e
-        return PushResult(version, lane.posted, lane.bytes, lane.tensors,
-                          time.perf_counter() - t0, list(acks.values()), cast=dict(caster.cast))
 
     def close(self) -> None:
         if self._peer is not None:

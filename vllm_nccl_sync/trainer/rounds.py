@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from vllm_nccl_sync.outcomes import PushError, UpdateRefused, clip
+from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.wire.channel import SenderChannel
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
@@ -110,12 +110,12 @@ class Rounds:
 
     # ------------------------------------------------------------------ receiving
 
-    def _take(self, deadline: float) -> tuple[int, Message] | None:
+    def _take(self, deadline: Deadline) -> tuple[int, Message] | None:
         with self._lock:
             if self.early:
                 return self.early.pop(0)
             try:
-                return self.channel.recv(deadline)
+                return self.channel.recv(deadline.at)
             except TimeoutError:
                 return None
 
@@ -142,7 +142,7 @@ class Rounds:
         `stop_on_error`: end the wait at the first `Error`. Raises `PushError` naming who failed
         (`errors`) and who said nothing in time (`missing`); `what` names the stage."""
         ranks = self.receivers if ranks is None else ranks
-        deadline = time.monotonic() + self.timeout_s  # absolute: nothing below extends it
+        deadline = Deadline(self.timeout_s)  # nothing below extends it
         self._extend(2 * self.timeout_s)  # the deadman never beats this wait
         got: dict[int, Message] = {}
         what = what or f"failed waiting for {kind.__name__}"
@@ -200,12 +200,12 @@ class Rounds:
         self.agreed = last
         self.tell(Go(PROTOCOL_VERSION, self.version, last), ranks)
 
-    def poll(self, deadline: float | None = None, *, hold: bool = False,
+    def poll(self, deadline: Deadline | None = None, *, hold: bool = False,
              relay: Relay | None = None) -> None:
         """Take the answers queued so far (until `deadline`: one at least); then, unless `hold`
         or a rank failed, send `Go` for every header all receivers accepted."""
         while True:
-            taken = self._take(deadline or time.monotonic())
+            taken = self._take(deadline or Deadline(0.0))
             if taken is None:
                 break
             rank, msg = taken
@@ -226,15 +226,16 @@ class Rounds:
     def await_go(self, seq: int) -> None:
         """Wait, within `timeout_s` from now, until every receiver accepted header `seq` and its
         `Go` is sent; `PushError` if a rank failed or said nothing in time."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = Deadline(self.timeout_s)
         self._extend(2 * self.timeout_s)
         while self.agreed < seq:
             if self.errors or self.unreachable:
                 raise self.failure(f"failed at bucket {seq}")
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 missing = sorted(r for r, k in self.ready.items() if k < seq)
-                raise self.failure(f"failed at bucket {seq}", missing, f"no Ready for bucket {seq} from "
-                                   f"ranks {missing} within {self.timeout_s:.1f} s")
+                raise self.failure(f"failed at bucket {seq}", missing,
+                                   f"no Ready for bucket {seq} from ranks {missing} within "
+                                   f"{self.timeout_s:.1f} s")
             self.poll(deadline)
 
     # ------------------------------------------------------------------ commit
