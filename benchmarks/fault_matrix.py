@@ -10,7 +10,7 @@ multiprocess engine core; with `--gpu` on cuda:1 with torch.compile and CUDA gra
 wait is bounded, and every process started is asked to exit, then its process group SIGKILLed.
 Scenarios run concurrently (`--parallel`: all with `--gpu`, one at a time with `--cpu`). The model
 is `vllm_nccl_sync.tiny`'s tiny fp32 qwen2 in 64 KiB buckets (~26); transformers' greedy output
-is computed on CPU in fp32, as in tests/test_gpu_vllm.py. With `--gpu` the first engine starts
+is computed on CPU in fp32, as in tests/gpu/test_gpu_vllm.py. With `--gpu` the first engine starts
 alone (its torch.compile cache then serves the others), and each engine takes
 gpu_memory_utilization 0.08 with a fixed 256 MiB KV cache (KV memory profiling breaks when
 engines start side by side on one GPU). Each scenario first pushes a good version 1, then version

@@ -65,7 +65,7 @@ def trainer(cfg: dict, reps: int, check: bool, in_place: bool = True) -> dict:
 def receiver(cfg: dict, reps: int, check: bool) -> dict:
     """`reps` updates into tensors of its own; the same sums."""
     from vllm_nccl_sync import SyncConfig
-    from tests.test_gpu_ipc import SlowLoader  # with no spin: plain in-place copies
+    from tests.gpu.test_gpu_ipc import SlowLoader  # with no spin: plain in-place copies
     from vllm_nccl_sync.engine.receiver import Receiver
     torch.cuda.set_device(0)
     targets = {n: torch.zeros(s, device="cuda", dtype=torch.bfloat16) for n, s in shapes().items()}

@@ -17,6 +17,6 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
   # transformers and vLLM run without them.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-# The test extra adds Ray (vLLM's Ray executor in tests/test_ray.py); it does not touch torch.
+# The test extra adds Ray (vLLM's Ray executor in tests/engine/test_ray.py); it does not touch torch.
 "$PY" -m pip install -q -e ".[test]"
 echo "$PY"

@@ -3,7 +3,7 @@
 
 `AsyncLLM.shutdown` stops the engine core before it cancels the output handler; the handler then
 reads the `EngineDeadError` the closing output socket queues and logs "AsyncLLM output_handler
-failed" with its traceback (a race: `tests/test_benchmarks_smoke.py` hit it on every bench_pause
+failed" with its traceback (a race: `tests/engine/test_benchmarks_smoke.py` hit it on every bench_pause
 run before). `stop_async_llm` cancels the handler on the loop first.
 """
 
@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 pytestmark = pytest.mark.vllm
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent("""
     import asyncio, gc, sys, threading

@@ -19,7 +19,7 @@ import pytest
 from vllm_nccl_sync import cli
 from vllm_nccl_sync.tiny import build_model, make_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_entry_point_help():

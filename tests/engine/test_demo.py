@@ -11,7 +11,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.vllm
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_demo_passes_and_reads():

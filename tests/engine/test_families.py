@@ -9,7 +9,7 @@ transformers' (both fp32); no parameter moved; tensors vLLM derives after loadin
 spelling the model's loader maps to them, and refuses a name it would drop or does not have.
 
 One engine at a time; two engine starts per family. Families vLLM's CPU build cannot run
-(`NOT_ON_CPU`, with the reason) are in `tests/test_gpu_families.py`.
+(`NOT_ON_CPU`, with the reason) are in `tests/gpu/test_gpu_families.py`.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def test_engine_choices_here_do_not_depend_on_amx(tmp_path, monkeypatch):
 
 def test_matrix_leaves_no_family_out():
     """Every family is run here or listed with the reason it is not; the GPU module runs all."""
-    from tests.test_gpu_families import GPU_FAMILIES
+    from tests.gpu.test_gpu_families import GPU_FAMILIES
     from vllm_nccl_sync.tiny import FAMILIES
 
     everything = {*FAMILIES, "block_fp8"}

@@ -329,7 +329,7 @@ def test_bench_lora_smoke():
     import signal
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen([sys.executable, "benchmarks/bench_lora_gpu.py", "--cpu-smoke"],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

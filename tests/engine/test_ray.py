@@ -95,7 +95,7 @@ def engine(ray_cluster, tmp_path_factory):
 
     os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "300")
     path = make_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2", seed=1)
-    llm = LLM(model=path, worker_extension_cls="tests.test_ray.RayProbeExt",
+    llm = LLM(model=path, worker_extension_cls="tests.engine.test_ray.RayProbeExt",
               weight_transfer_config={"backend": "nccl_sync"},
               **engine_kwargs(tensor_parallel_size=TP, distributed_executor_backend="ray"))
     try:

@@ -39,9 +39,9 @@ from vllm_nccl_sync.tiny import (
 )
 from vllm_nccl_sync.trainer.sync import free_port
 
-ray_cluster = pytest.importorskip("tests.test_ray").ray_cluster
-"""A local Ray cluster of this module's own (2 CPUs), always shut down (`tests/test_ray.py`)."""
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ray_cluster = pytest.importorskip("tests.engine.test_ray").ray_cluster
+"""A local Ray cluster of this module's own (2 CPUs), always shut down (`tests/engine/test_ray.py`)."""
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_TOKENS = 8
 TIMEOUT_S = 60.0  # an upper bound on every wait, never a speed requirement
 TEXT = ["Hello, my name is", "The capital of France is", "The future of AI is"]

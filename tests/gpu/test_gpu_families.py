@@ -1,7 +1,7 @@
 """Support matrix on a GPU (vLLM's CUDA build, CUDA graphs on), for every family, including those
 vLLM's CPU build cannot run (MLA, a VLM's language tower, block-FP8).
 
-Per family, as `tests/test_families.py` does on CPU: engine A starts from W1 and is pushed W2,
+Per family, as `tests/engine/test_families.py` does on CPU: engine A starts from W1 and is pushed W2,
 then W1 again; engine B starts fresh from W2. After each push A's greedy output equals the fresh
 engine's token for token, no parameter moved, every parameter equals the fresh engine's (sha256),
 derived tensors (MLA's `W_UK_T`/`W_UV`) included, and `verify` compares every parameter with the
@@ -16,10 +16,10 @@ the trainer's bf16 first (quantized by the engine as the checkpoint was made: it
 a fresh engine on the FP8 checkpoint of the same weights), then FP8 + scales.
 
 Run in four parts (two engine starts per family, each with torch.compile and CUDA graphs):
-    python -m pytest -q -s -m gpu tests/test_gpu_families.py -k "(qwen3 and not moe) or phi3"
-    python -m pytest -q -s -m gpu tests/test_gpu_families.py -k "qwen3_moe or gemma2"
-    python -m pytest -q -s -m gpu tests/test_gpu_families.py -k "deepseek or qwen2_vl"
-    python -m pytest -q -s -m gpu tests/test_gpu_families.py -k "fp8"
+    python -m pytest -q -s -m gpu tests/gpu/test_gpu_families.py -k "(qwen3 and not moe) or phi3"
+    python -m pytest -q -s -m gpu tests/gpu/test_gpu_families.py -k "qwen3_moe or gemma2"
+    python -m pytest -q -s -m gpu tests/gpu/test_gpu_families.py -k "deepseek or qwen2_vl"
+    python -m pytest -q -s -m gpu tests/gpu/test_gpu_families.py -k "fp8"
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import pytest
 
 from tests.helpers import make_block_fp8
-from tests.test_families import _greedy, _push, _rpc, _start, _stop
+from tests.engine.test_families import _greedy, _push, _rpc, _start, _stop
 from vllm_nccl_sync.engine.handshake import read_safetensors_index
 from vllm_nccl_sync.tiny import GPU_OVERRIDES, build_model, save_model
 
@@ -60,7 +60,7 @@ def test_block_fp8_quantization_is_the_same_on_gpu():
     and FP8 values bit for bit): else a pushed update differs from a fresh engine."""
     import torch
 
-    from tests.test_family_checks import _bits
+    from tests.unit.test_family_checks import _bits
     from vllm_nccl_sync.integrations.vllm.block_fp8 import quantize
 
     if not torch.cuda.is_available():

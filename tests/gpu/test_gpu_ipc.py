@@ -13,7 +13,7 @@ checksummed them, a trainer killed between buckets, a
 receiver killed mid-update, a handle claiming more memory than its allocation, headers naming
 memory outside what the trainer exported.
 
-Run: `python -m pytest -q -m gpu tests/test_gpu_ipc.py`.
+Run: `python -m pytest -q -m gpu tests/gpu/test_gpu_ipc.py`.
 """
 
 from __future__ import annotations

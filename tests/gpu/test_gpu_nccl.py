@@ -10,7 +10,7 @@ every synchronizing call: one per update and side, reading the checksums for the
 8 MiB embedding crosses the small buckets and is loaded by rows, so the receiver's extra memory
 is its two buffers.
 
-Run on a machine with 2 GPUs: `python -m pytest -q -m gpu tests/test_gpu_nccl.py`.
+Run on a machine with 2 GPUs: `python -m pytest -q -m gpu tests/gpu/test_gpu_nccl.py`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """GPU, one device: the CUDA pipeline of both sides (the lane's side-stream checksums and buffer
 reuse, the receiver's issue/load/checksum streams and events) against a stand-in data plane.
 
-NCCL refuses two ranks on one GPU, so the real NCCL plane needs two GPUs (tests/test_gpu_nccl.py).
+NCCL refuses two ranks on one GPU, so the real NCCL plane needs two GPUs (tests/gpu/test_gpu_nccl.py).
 Here a `PushClient` and a `Receiver` run in one process, in two threads, on one GPU, over a
 plane that behaves as NCCL's does for the streams: a posted "collective" starts after what the
 posting stream queued, runs on a stream of its own, and `wait()` orders the caller's current
 stream after it (the host never waits for the bytes). Every other part is real: ZeroMQ, the
 protocol, checksums on the device, `ModuleLoader` on CUDA parameters.
 
-Run: `python -m pytest -q -m gpu tests/test_gpu_pipeline.py`.
+Run: `python -m pytest -q -m gpu tests/gpu/test_gpu_pipeline.py`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Tiny fp32 models (bf16 rounding flips near-tied greedy tokens between vLLM and t
   engine goes on reporting inconsistent; an update of every weight commits: consistent, output
   equals transformers' and a freshly started engine's on the pushed weights.
 
-Run: `python -m pytest -q -s -m gpu tests/test_gpu_sleep.py`.
+Run: `python -m pytest -q -s -m gpu tests/gpu/test_gpu_sleep.py`.
 """
 
 from __future__ import annotations

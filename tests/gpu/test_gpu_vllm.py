@@ -16,7 +16,7 @@ unless set) and every process has a deadline.
   in-place loader (`mode="plain"`) is recorded to show why the layerwise path is needed.
 
 Run on a machine with 2 GPUs and vLLM (see benchmarks/README.md for the staged vLLM):
-`python -m pytest -q -s -m gpu tests/test_gpu_vllm.py`.
+`python -m pytest -q -s -m gpu tests/gpu/test_gpu_vllm.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import pytest
 
 from vllm_nccl_sync.integrations.vllm.ext import Ext
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_TOKENS = 8
 DEADLINE_S = 420
 """Per test, both processes together (engine start with compile and graph capture included)."""
@@ -209,7 +209,7 @@ def test_push_into_compiled_engine(tmp_path, arch):
     engine, trainer = _run_pair(
         tmp_path,
         {"model": path, "llm": {"enforce_eager": False, "max_num_seqs": 8,
-                                "worker_extension_cls": "tests.test_gpu_vllm.ProbeExt"},
+                                "worker_extension_cls": "tests.gpu.test_gpu_vllm.ProbeExt"},
          "updates": ["auto", "auto"]},
         {"pushes": [{"arch": arch, "seed": s, "version": s} for s in (2, 3)], "hf": True},
     )
@@ -236,7 +236,7 @@ def test_push_into_fp8_engine(tmp_path):
         tmp_path,
         {"model": path, "llm": {"enforce_eager": False, "max_num_seqs": 8, "dtype": "bfloat16",
                                 "quantization": "fp8",
-                                "worker_extension_cls": "tests.test_gpu_vllm.ProbeExt"},
+                                "worker_extension_cls": "tests.gpu.test_gpu_vllm.ProbeExt"},
          "updates": ["auto", "plain", "auto"]},
         {"pushes": [{"arch": "qwen2", "seed": s, "version": v} for v, s in ((1, 1), (2, 2), (3, 2))],
          "dtype": "bfloat16"},
@@ -257,7 +257,7 @@ def test_push_into_fp8_engine(tmp_path):
     assert engine["ptrs_after"] == engine["ptrs_before"] and len(engine["ptrs_before"]) > 5
 
 
-if __name__ == "__main__":  # one role of `_run_pair`: python tests/test_gpu_vllm.py ROLE SPEC
+if __name__ == "__main__":  # one role of `_run_pair`: python tests/gpu/test_gpu_vllm.py ROLE SPEC
     role, spec_path = sys.argv[1], sys.argv[2]
     sys.path.insert(0, ROOT)
     spec = json.loads(Path(spec_path).read_text())

@@ -12,7 +12,7 @@ are checked against transformers (CPU, fp32, the pushed weights rounded to bf16)
 forcing: every token SGLang picks must be within `TOL` logits of transformers' best at that step
 (bf16 activations may flip exact near-ties), and the same tokens must be far off for the
 previous weights. Parameter pointers must not change. Run:
-`python -m pytest -q -s tests/test_sglang.py` with SGLang 0.5.17 (docs/sglang.md).
+`python -m pytest -q -s tests/gpu/test_sglang.py` with SGLang 0.5.17 (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from vllm_nccl_sync.integrations import sglang as sg
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_TOKENS = 8
 TOL = 1.0
 """Logit gap tolerated between SGLang's token and transformers' best (bf16 noise); wrong
@@ -396,7 +396,7 @@ def test_push_into_sglang_engine(tmp_path, arch):
     assert engine["state"]["version"] == 3 and engine["state"]["failures"] == 0
 
 
-if __name__ == "__main__":  # one role of `_run_pair`: python tests/test_sglang.py ROLE SPEC
+if __name__ == "__main__":  # one role of `_run_pair`: python tests/gpu/test_sglang.py ROLE SPEC
     role, spec_path = sys.argv[1], sys.argv[2]
     sys.path.insert(0, ROOT)
     spec = json.loads(Path(spec_path).read_text())

@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import free_port
 from tests.procs import record_broadcasts, run_procs
-from tests.test_gloo_multiproc import DigestLoader, digest, receiver_proc
+from tests.multiproc.test_gloo_multiproc import DigestLoader, digest, receiver_proc
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners

@@ -16,7 +16,7 @@ the same bytes over the same group in the same run.
 Needs root and iproute2 (`ip netns`); skips with the reason otherwise. Namespaces have unique
 names per run and are deleted in a `finally`, failure or not; each process has a hard deadline.
 
-This file is also the program both processes run: `python tests/test_netns.py ROLE ARGS OUT`.
+This file is also the program both processes run: `python tests/multiproc/test_netns.py ROLE ARGS OUT`.
 Knobs for measurements (not needed for the test): NETNS_PAYLOAD_MB (128), NETNS_BUCKET_MB (32),
 NETNS_REPS (3), NETNS_CFG (JSON of further SyncConfig fields, e.g. '{"bucket_checksums": false}').
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -147,7 +147,7 @@ class CopyLoader(DigestLoader):
 
 
 # ----------------------------------------------------------------------------------------------
-# The processes (run as `ip netns exec NS python tests/test_netns.py ROLE ARGS OUT`).
+# The processes (run as `ip netns exec NS python tests/multiproc/test_netns.py ROLE ARGS OUT`).
 # ----------------------------------------------------------------------------------------------
 
 

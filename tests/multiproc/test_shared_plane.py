@@ -14,8 +14,8 @@ import torch
 
 from tests.conftest import free_port
 from tests.procs import run_procs
-from tests.test_gloo_multiproc import DigestLoader, digest, model_tensors
-from tests.test_planes import _pair
+from tests.multiproc.test_gloo_multiproc import DigestLoader, digest, model_tensors
+from tests.unit.test_planes import _pair
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.outcomes import PeerFailed

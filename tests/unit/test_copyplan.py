@@ -1,7 +1,7 @@
 """`integrations.vllm.copyplan`: a loader's copies recorded once, replayed as plain copies after,
 bit for
 bit what the loader writes; any loader that computes, or writes outside the parameters, turns
-replay off with the reason. Real vLLM engines replay in `tests/test_vllm_engine.py`."""
+replay off with the reason. Real vLLM engines replay in `tests/engine/test_vllm_engine.py`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The family matrix's checks that need no engine: the plan check through a model's name mapping,
 hub-cache ids, block-FP8 (plan check and the engine-side quantization, bit for bit), `verify`'s
 rebuilding of vLLM's parameter layouts, and the refusal of a model-level post-load hook.
-`tests/test_families.py` runs the families on real engines."""
+`tests/engine/test_families.py` runs the families on real engines."""
 
 from __future__ import annotations
 

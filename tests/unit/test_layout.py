@@ -1,7 +1,7 @@
 """The package's shape, as docs/architecture.md draws it: layers, no circles, short functions.
 
 Read from the source (imports as `ast` sees them, lazy ones inside functions included), so a
-reviewer can run the same check: `pytest tests/test_layout.py`.
+reviewer can run the same check: `pytest tests/unit/test_layout.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "vllm_nccl_sync"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "vllm_nccl_sync"
 
 LAYERS = {
     "outcomes": 0, "wire": 0, "moved": 0,

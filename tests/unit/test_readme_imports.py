@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 IMPORT = re.compile(
     r"^\+?\s*((?:from vllm_nccl_sync[\w.]* import [^#(]+)|(?:import vllm_nccl_sync[\w.]*))")
 """An import of this package on one line (a diff's `+` dropped), without a trailing comment."""
