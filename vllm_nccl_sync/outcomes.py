@@ -67,6 +67,11 @@ class PeerFailed(SyncError, RuntimeError):
         self.rank = rank
 
 
+class NotUpdatable(SyncError, ValueError):
+    """An engine this package cannot update in place (e.g. a drafter with weights of its own);
+    the text says why and what to change."""
+
+
 class UpdateFailed(SyncError, RuntimeError):
     """Engine side: this update did not complete; the text says why and on which side."""
 
@@ -106,7 +111,7 @@ class UpdateRefused(PushError):
 
 
 class Kind(enum.Enum):
-    """What a receiver's check refused."""
+    """What a check refused (a receiver's, unless said otherwise)."""
 
     PLAN = "plan"
     """The plan as such: unreadable, without buckets, naming a tensor twice, of a version already
@@ -133,9 +138,13 @@ class Kind(enum.Enum):
     """The loader (vLLM's or the user's) failed."""
     COVERAGE = "coverage"
     """An update that must rewrite every weight and did not."""
+    LOST = "lost"
+    """Trainer side: peers that left the data plane during an update."""
+    DRAFTER = "drafter"
+    """An engine whose speculative decoding keeps a draft model an update would not reach."""
 
 
-_RAISES: dict[Kind, type[SyncError]] = {Kind.HANDLE: ProtocolError}
+_RAISES: dict[Kind, type[SyncError]] = {Kind.HANDLE: ProtocolError, Kind.DRAFTER: NotUpdatable}
 """The exception of each kind that is not an `UpdateFailed` (the update failed on this side)."""
 
 

@@ -412,3 +412,30 @@ def test_a_process_that_only_unpickles_the_init_info_finds_the_backend():
     name, _, modules = out.stdout.decode().strip().splitlines()[-1].partition(" ")
     assert name == "NcclSyncTrainerEngine"
     assert "vllm_nccl_sync.weight_transfer" not in modules  # found without it
+
+
+def test_init_infos_refuse_a_bad_value_where_it_was_written():
+    from vllm_nccl_sync.integrations.vllm.transfer.engine import NcclSyncInitInfo
+    from vllm_nccl_sync.weight_transfer import NcclSyncTrainerInitInfo as Info
+    from vllm_nccl_sync.wire.config import SyncConfig
+
+    with pytest.raises(ValueError, match=r"^NcclSyncTrainerInitInfo\.packed_buffer_size_bytes: "
+                                         r"SyncConfig\.bucket_bytes=100: "):
+        Info(world_size=2, rank=0, packed_buffer_size_bytes=100)
+    with pytest.raises(ValueError, match=r"^NcclSyncTrainerInitInfo\.timeout_s: "
+                                         r"SyncConfig\.timeout_s=0"):
+        Info(world_size=2, rank=0, timeout_s=0)
+    with pytest.raises(ValueError, match=r"^NcclSyncTrainerInitInfo\.world_size: "):
+        Info(world_size=1, rank=0)
+    info = Info(world_size=3, rank=0, master_address="10.0.0.1", master_port=29500,
+                control_port=29501, transport="gloo", packed_buffer_size_bytes=1 << 20,
+                timeout_s=7.0, secret="ab")
+    assert info.sync_config() == SyncConfig.build(
+        host="10.0.0.1", group_port=29500, control_port=29501, world_size=3, backend="gloo",
+        bucket_bytes=1 << 20, timeout_s=7.0, secret="ab")
+    with pytest.raises(ValueError, match=r"^NcclSyncInitInfo\.sync_config\['bucket_bytes'\]: "
+                                         r"SyncConfig\.bucket_bytes=3: "):
+        NcclSyncInitInfo(sync_config={**info.sync_config().to_dict(), "bucket_bytes": 3})
+    cfg = info.sync_config()
+    assert NcclSyncInitInfo(sync_config=cfg.to_dict()).config() == cfg
+    assert NcclSyncInitInfo(sync_config=cfg).config() == cfg

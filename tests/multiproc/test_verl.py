@@ -250,3 +250,21 @@ def test_actor0_updates_its_own_ext_engines_beside_the_push():
         master.finalize()
     finally:
         ext.stop()
+
+
+def test_a_bad_value_is_refused_at_construction_naming_the_argument():
+    from vllm_nccl_sync.integrations.verl.checkpoint_engine import VllmNcclSyncCheckpointEngine
+    from vllm_nccl_sync.wire.config import SyncConfig
+
+    with pytest.raises(ValueError, match=r"^VllmNcclSyncCheckpointEngine\.bucket_size: "
+                                         r"SyncConfig\.bucket_bytes=100: "):
+        VllmNcclSyncCheckpointEngine(100)
+    with pytest.raises(ValueError, match=r"^VllmNcclSyncCheckpointEngine\.transport: "
+                                         r"SyncConfig\.backend='tcp'"):
+        VllmNcclSyncCheckpointEngine(BUCKET, transport="tcp")
+    ce = VllmNcclSyncCheckpointEngine(BUCKET, is_master=True, transport="gloo", timeout_s=9.0)
+    cfg = ce.sync_config("127.0.0.1")
+    assert cfg == SyncConfig.build(host="127.0.0.1", world_size=2, backend="gloo",
+                                   bucket_bytes=BUCKET, timeout_s=9.0, secret=cfg.secret,
+                                   control_port=cfg.control_port, group_port=cfg.group_port)
+    assert len(cfg.secret) == 32

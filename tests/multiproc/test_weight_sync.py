@@ -146,3 +146,17 @@ def test_engines_holding_different_dtypes_are_named(engines):
         assert sync.update(tensors(9, torch.bfloat16), version=9, dtype=torch.bfloat16).cast == {}
     finally:
         sync.close()
+
+
+def test_a_bad_value_is_refused_where_it_was_written():
+    from types import SimpleNamespace
+
+    from vllm_nccl_sync.wire.config import SyncConfig
+
+    handle = SimpleNamespace(workers=2)
+    with pytest.raises(ValueError, match=r"^WeightSync\.bucket_bytes: SyncConfig\.bucket_bytes"):
+        WeightSync([handle], bucket_bytes=100)
+    sync = WeightSync([handle], backend="gloo", bucket_bytes=8192, timeout_s=5.0)
+    assert sync.cfg == SyncConfig(world_size=3, backend="gloo", bucket_bytes=8192,
+                                  timeout_s=5.0, control_port=sync.cfg.control_port,
+                                  group_port=sync.cfg.group_port)

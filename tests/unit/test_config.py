@@ -120,3 +120,21 @@ def test_build_picks_ports_and_takes_defaults():
         SyncConfig.build()
     with pytest.raises(ValueError, match="SyncConfig.backend='tcp'"):
         SyncConfig.build(world_size=2, backend="tcp")
+
+
+def test_a_door_names_itself_and_the_field_as_its_users_spell_it():
+    spelling = {"bucket_bytes": "bucket_size"}
+    with pytest.raises(ValueError, match=r"^Door\.bucket_size: SyncConfig\.bucket_bytes=100: "):
+        SyncConfig.build(world_size=2, bucket_bytes=100, door="Door", spelling=spelling)
+    with pytest.raises(ValueError, match=r"^Door\.timeout_s: SyncConfig\.timeout_s=0"):
+        SyncConfig.check(world_size=2, timeout_s=0, door="Door", spelling=spelling)
+    with pytest.raises(ValueError, match=r"^Door: control_port and group_port must differ"):
+        SyncConfig.check(world_size=2, control_port=5, group_port=5, door="Door")
+    with pytest.raises(ValueError, match=r"^SyncConfig\.bucket_bytes=100"):  # no door: as ever
+        SyncConfig.check(world_size=2, bucket_bytes=100)
+
+
+def test_check_takes_what_build_takes_without_picking_ports():
+    SyncConfig.check(world_size=2, host="10.0.0.1")  # not this host's: no port is bound
+    SyncConfig.check(world_size=3, control_port=1, senders=[["127.0.0.1", 2]])
+    assert SyncConfig.check(world_size=2, group_port=1) is None

@@ -11,7 +11,14 @@ from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.shadow import Shadow
 from vllm_nccl_sync.engine.update import Update, plan_problem
-from vllm_nccl_sync.outcomes import Kind, Problem, ProtocolError, SyncError, UpdateFailed
+from vllm_nccl_sync.outcomes import (
+    Kind,
+    NotUpdatable,
+    Problem,
+    ProtocolError,
+    SyncError,
+    UpdateFailed,
+)
 from vllm_nccl_sync.planes.ipc import IpcMemory, open_shared
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
 from vllm_nccl_sync.wire.protocol import BucketHeader, Plan, Seal, Slot, TensorSpec
@@ -32,14 +39,18 @@ def _header(seq: int = 0, shape: tuple[int, ...] = (8, 4), is_last: bool = True,
 
 
 def test_each_kind_raises_as_its_one_exception_class():
-    """A forged CUDA IPC handle breaks the protocol (`ProtocolError`, still a `ValueError`);
-    every other kind fails the update on this side (`UpdateFailed`, which a receiver's update
-    ends cleanly on). Every one is a `SyncError` carrying the problem's text exactly."""
+    """A forged CUDA IPC handle breaks the protocol (`ProtocolError`, still a `ValueError`); an
+    engine with a drafter cannot be updated in place (`NotUpdatable`, still the `ValueError` it
+    always raised); every other kind fails the update on this side (`UpdateFailed`, which a
+    receiver's update ends cleanly on). Every one is a `SyncError` carrying the problem's text
+    exactly."""
     for kind in Kind:
         err = Problem(kind, f"rank 1: {kind.value} went wrong").error()
         assert isinstance(err, SyncError) and str(err) == f"rank 1: {kind.value} went wrong"
         if kind is Kind.HANDLE:
             assert type(err) is ProtocolError and isinstance(err, ValueError)
+        elif kind is Kind.DRAFTER:
+            assert type(err) is NotUpdatable and isinstance(err, ValueError)
         else:
             assert type(err) is UpdateFailed and isinstance(err, RuntimeError), kind
 
@@ -117,3 +128,44 @@ def test_a_forged_ipc_reference_counter_raises_as_a_protocol_error():
     forged = IpcMemory("GPU-x", b"h" * 64, 4096, 0, b"/torch_4243_1_0", 0, b"", False)
     with pytest.raises(ProtocolError, match="not one the sender's process made: refused"):
         open_shared(forged, torch.device("cpu"), 0, "the trainer's buffers", 4242)
+
+
+def test_trainer_checks_name_their_kind():
+    """The trainer's own checks: peers that left the data plane are `LOST`; a sender's part of a
+    multi-sender plan it does not hold is `MODEL`, flags other than the coordinator's `PLAN`."""
+    from types import SimpleNamespace
+
+    from vllm_nccl_sync.outcomes import PeerFailed
+    from vllm_nccl_sync.trainer.lane import BucketLane
+    from vllm_nccl_sync.trainer.multisend import PeerUpdate
+
+    lane = SimpleNamespace(lost=[])
+    assert BucketLane.lost_problem(lane, 1) == (None, [])
+    lane.lost = [PeerFailed("gone", 2)]
+    problem, left = BucketLane.lost_problem(lane, 1)
+    assert problem.kind is Kind.LOST and left == [3]
+    assert problem.text == "rank 3 left the data plane: gone"
+
+    sender = SimpleNamespace(peer=SimpleNamespace(rank=1), caster=SimpleNamespace(dtype=None),
+                             flags=(False, False, False))
+    mine = [_header(src=1)]
+    held = {W: torch.zeros(8, 4)}
+    assert PeerUpdate._problem(sender, _plan(), mine, held) is None
+    missing = PeerUpdate._problem(sender, _plan(), mine, {})
+    assert missing.kind is Kind.MODEL and "sender 1 holds no such tensor" in missing.text
+    flags = PeerUpdate._problem(sender, _plan(force=True), mine, held)
+    assert flags.kind is Kind.PLAN and "force/staged/full=(False, False, False)" in flags.text
+
+
+def test_an_engine_with_a_drafter_is_refused_as_a_value_error():
+    """`drafter_problem` is a `DRAFTER` problem; it raises as `NotUpdatable`, the `ValueError`
+    such engines always raised, with the same text."""
+    from types import SimpleNamespace
+
+    from vllm_nccl_sync.integrations.vllm.loader import drafter_problem
+
+    assert drafter_problem(SimpleNamespace(speculative_config=None)) is None
+    problem = drafter_problem(SimpleNamespace(speculative_config=SimpleNamespace(method="mtp")))
+    err = problem.at("this engine cannot be updated in place").error()
+    assert isinstance(err, ValueError) and problem.kind is Kind.DRAFTER
+    assert str(err).startswith("this engine cannot be updated in place: speculative decoding")

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
+from vllm_nccl_sync.outcomes import Kind, PeerFailed, PushError, UpdateRefused
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
@@ -199,8 +199,8 @@ def test_a_broadcast_that_raises_is_a_lost_peer_and_every_agreed_bucket_is_still
     [lost] = lane.lost
     assert isinstance(lost, PeerFailed) and "broadcast of bucket 1 failed" in str(lost)
     assert [d.seq for d in digests] == [0, 1, 2]  # the plane wants a Digest per bucket
-    text, left = lane.lost_problem(0)
-    assert "Connection reset by peer" in text and left == []
+    problem, left = lane.lost_problem(0)
+    assert problem.kind is Kind.LOST and "Connection reset by peer" in problem.text and left == []
     assert set(lane.drain()) == {0, 1, 2}
 
 

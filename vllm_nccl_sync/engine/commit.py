@@ -70,10 +70,9 @@ class CommitRound:
             if early is not None:
                 raise self.inbox.violation(u, f"the sender sent {clip(repr(early), 200)} "
                                               f"before the swap of update {u.version}")
-        why = self.residency().unwritable if self.residency is not None else ""
+        why = self.residency().unwritable if self.residency is not None else None
         if why:  # e.g. put to sleep while the update was received beside serving
-            self._refuse(u, Problem(Kind.RESIDENCY, f"rank {self.rank} did not load staged "
-                                    f"update {u.version}: {why}"))
+            self._refuse(u, why.at(f"rank {self.rank} did not load staged update {u.version}"))
         try:
             with self.plane.loading():
                 loader.begin()

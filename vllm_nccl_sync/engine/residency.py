@@ -25,6 +25,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from vllm_nccl_sync.outcomes import Kind, Problem
+
 
 @dataclass(slots=True)
 class Residency:
@@ -70,12 +72,12 @@ class Residency:
         self.discarded = ""
 
     @property
-    def unwritable(self) -> str:
-        """Why nothing may write into the weights now ("" if they may be written)."""
+    def unwritable(self) -> Problem | None:
+        """Why nothing may write into the weights now (None if they may be written)."""
         if "weights" in self.asleep:
-            return (f"the engine's weights are asleep (vLLM sleep level {self.level}); call "
-                    "wake_up(tags=['weights']) before pushing")
-        return ""
+            return Problem(Kind.RESIDENCY, f"the engine's weights are asleep (vLLM sleep level "
+                           f"{self.level}); call wake_up(tags=['weights']) before pushing")
+        return None
 
     def to_dict(self) -> dict[str, object]:
         return {"asleep": sorted(self.asleep), "discarded": self.discarded}

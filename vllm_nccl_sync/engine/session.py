@@ -222,7 +222,7 @@ class EngineSession:
         """sha256 of the parameters as this worker holds them (`verify` compares them);
         refused while the weights are asleep (their memory is unmapped)."""
         if why := self.residency().unwritable:
-            raise RuntimeError(f"cannot read the weights: {why}")
+            raise RuntimeError(f"cannot read the weights: {why.text}")
         tp_rank, tp_size = self._parallel()
         return {"tp_rank": tp_rank, "tp_size": tp_size,
                 "params": module_checksums(self._model(), names, self._layout)}

@@ -165,8 +165,8 @@ class Update:
             return None
         r = residency()
         where = f"rank {self.rank} refused update {plan.version}"
-        if r.unwritable:
-            return Problem(Kind.RESIDENCY, f"{where}: {r.unwritable}")
+        if why := r.unwritable:
+            return why.at(where)
         if not r.discarded or plan.adapter is not None:
             return None
         if reference is None:

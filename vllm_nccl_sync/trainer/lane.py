@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.outcomes import PeerFailed, clip
+from vllm_nccl_sync.outcomes import Kind, PeerFailed, Problem, clip
 from vllm_nccl_sync.planes.base import Handle, Transport
 from vllm_nccl_sync.wire.cuda_sums import Tap, warm
 from vllm_nccl_sync.wire.integrity import (
@@ -257,9 +257,9 @@ class BucketLane:
             self.sums.update(zip(keys, read_back([self.sums[k] for k in keys]), strict=True))
         return {k: int(v) for k, v in self.sums.items()}
 
-    def lost_problem(self, offset: int) -> tuple[str, list[int]]:
-        """What the lost peers say ("" if none), and the receivers (group rank + `offset`) that
-        left the data plane."""
+    def lost_problem(self, offset: int) -> tuple[Problem | None, list[int]]:
+        """What the lost peers say (None if none), and the receivers (group rank + `offset`)
+        that left the data plane."""
         named = [e for e in self.lost if e.rank >= 0]
         left = sorted({e.rank + offset for e in named})
         parts = []
@@ -267,7 +267,7 @@ class BucketLane:
             who = f"rank {left[0]}" if len(left) == 1 else f"ranks {left}"
             parts.append(f"{who} left the data plane: {clip(str(named[0]), 300)}")
         parts += [clip(str(e), 300) for e in self.lost if e.rank < 0][:1]
-        return "; ".join(parts), left
+        return (Problem(Kind.LOST, "; ".join(parts)) if parts else None), left
 
 
 def _parts(bucket: Bucket) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from vllm_nccl_sync.outcomes import PushError, clip
+from vllm_nccl_sync.outcomes import Kind, Problem, PushError, clip
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.trainer.deadline import Deadline
@@ -187,7 +187,7 @@ class Coordinator(Sender):
         lost, left = self.lane.lost_problem(cfg.num_senders - 1)
         silent = [r for r in peers if r not in self.done and r not in rounds.errors]
         notes = ([f"senders {silent} did not finish their buckets (dead?)"] if silent
-                 else []) + ([lost] if lost else [])
+                 else []) + ([lost.text] if lost else [])
         if rounds.errors or rounds.unreachable or notes:
             raise rounds.failure("failed", silent + left, "; ".join(notes))
         for r, s in self.done.items():
@@ -311,7 +311,7 @@ class PeerUpdate(Sender):
         mine = [h for h in plan.buckets if h.src == peer.rank]
         problem = self._problem(plan, mine, by_name)
         if problem:
-            peer.refuse(version, problem)
+            peer.refuse(version, problem.text)
             peer.expect(Abort, version, "the Abort of a refused plan")  # raises PushError
         last = plan.buckets[-1].seq
         peer.channel.send(Ready(PROTOCOL_VERSION, peer.rank, last, version), timeout_s)
@@ -323,10 +323,11 @@ class PeerUpdate(Sender):
         return _owned(self.lane, mine, by_name)
 
     def _problem(self, plan: Plan, mine: list[BucketHeader],
-                 by_name: dict[str, torch.Tensor]) -> str:
-        """Why this sender cannot send its part of `plan` ("" if it can). A tensor the plan
-        carries in another dtype is cast to it where the cast is faithful and no `dtype` was
-        asked for (the coordinator decides the wire dtype)."""
+                 by_name: dict[str, torch.Tensor]) -> Problem | None:
+        """Why this sender cannot send its part of `plan` (None if it can): a tensor it does not
+        hold as the plan gives it (MODEL), or flags other than the coordinator's (PLAN). A tensor
+        the plan carries in another dtype is cast to it where the cast is faithful and no `dtype`
+        was asked for (the coordinator decides the wire dtype)."""
         rank, caster, bad = self.peer.rank, self.caster, set()
         for s in (s for h in mine for s in h.slots):
             t, want = by_name.get(s.name), DTYPES.get(s.dtype)
@@ -337,11 +338,12 @@ class PeerUpdate(Sender):
             elif t.dtype != want:
                 bad.add(s.name)
         if bad:
-            return f"sender {rank} holds no such tensor(s) as the plan gives it: {sorted(bad)[:5]}"
+            return Problem(Kind.MODEL, f"sender {rank} holds no such tensor(s) as the plan gives "
+                                       f"it: {sorted(bad)[:5]}")
         if (plan.force, plan.staged, plan.full) != self.flags:
-            return (f"sender {rank} pushes force/staged/full={self.flags}, the coordinator "
-                    f"{(plan.force, plan.staged, plan.full)}")
-        return ""
+            return Problem(Kind.PLAN, f"sender {rank} pushes force/staged/full={self.flags}, the "
+                                      f"coordinator {(plan.force, plan.staged, plan.full)}")
+        return None
 
     def checked(self, sums: dict[int, int]) -> int:
         """A failure here goes to the coordinator; its verdict (`Abort`) says why."""

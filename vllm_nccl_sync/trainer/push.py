@@ -194,7 +194,8 @@ class OneSender(Sender):
             raise failure
         lost, left = self.lane.lost_problem(0)
         if lost or self.rounds.errors or self.rounds.unreachable:
-            raise self.rounds.failure(f"failed at bucket {self.lane.posted - 1}", left, lost)
+            raise self.rounds.failure(f"failed at bucket {self.lane.posted - 1}", left,
+                                      lost.text if lost else "")
         return self.lane.posted
 
     def stop(self) -> tuple[int, str]:

@@ -126,7 +126,7 @@ class WeightSync:
         self.engines = engines
         self.cfg = SyncConfig.build(host=host, world_size=1 + sum(e.workers for e in engines),
                                     backend=backend, bucket_bytes=bucket_bytes,
-                                    timeout_s=timeout_s, secret=secret)
+                                    timeout_s=timeout_s, secret=secret, door="WeightSync")
         self.offsets = [1 + sum(e.workers for e in engines[:i]) for i in range(len(engines))]
         self.client = PushClient(self.cfg, device)
 

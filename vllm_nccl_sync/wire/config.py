@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import typing
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -33,6 +35,30 @@ Positive = Annotated[float, msgspec.Meta(gt=0)]
 BucketBytes = Annotated[int, msgspec.Meta(ge=ALIGN, multiple_of=ALIGN)]
 Hex = Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-fA-F]{2})*$")]
 Host = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class FieldRefused(ValueError):
+    """A `SyncConfig` field's value out of its bounds; `field` names it."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@contextlib.contextmanager
+def spelled(door: str, spelling: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Inside: a `ValueError` about a config is raised again prefixed with the front door that
+    took it (`door`) and, for one field, that field as the door's users spell it (`spelling`,
+    {SyncConfig's name: the door's}), e.g. `Door.packed_buffer_size_bytes: SyncConfig.
+    bucket_bytes=100: ...`. Without a `door`, unchanged."""
+    try:
+        yield
+    except ValueError as e:
+        if not door:
+            raise
+        field = getattr(e, "field", None)
+        where = f"{door}.{(spelling or {}).get(field, field)}" if field else door
+        raise type(e)(f"{where}: {e}", *([field] if field else [])) from None
 
 
 class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -74,7 +100,7 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
                 checked = msgspec.convert(value, hint)
             except msgspec.ValidationError as e:
                 choices = f" (one of {list(BACKENDS)})" if name == "backend" else ""
-                raise ValueError(f"SyncConfig.{name}={value!r}: {e}{choices}") from None
+                raise FieldRefused(f"SyncConfig.{name}={value!r}: {e}{choices}", name) from None
             msgspec.structs.force_setattr(self, name, checked)  # [[h, p]] -> ((h, p),), 1 -> 1.0
         self._check_together()
 
@@ -99,25 +125,48 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
         return {f.name: f.default for f in msgspec.structs.fields(cls) if not f.required}
 
     @classmethod
-    def build(cls, **kwargs: Any) -> SyncConfig:
+    def build(cls, *, door: str = "", spelling: Mapping[str, str] | None = None,
+              **kwargs: Any) -> SyncConfig:
         """A config from a front door's own keyword arguments, without restating any default.
 
         A value of None takes the field's default; a `control_port` or `group_port` that is
         missing, None or 0 becomes a port free on `host` right now (the two distinct, and
         distinct from a given one). `world_size` is required. Raises `ValueError` for an unknown
-        field or an invalid value (as the constructor does).
+        field or an invalid value (as the constructor does), naming `door` and the field as it
+        spells it (`spelled`) where a door is given.
         """
+        with spelled(door, spelling):
+            given, pick, taken = cls._given(kwargs)
+            host = given.get("host", cls.defaults()["host"])
+            given.update(zip(pick, free_ports(host, len(pick), taken), strict=True))
+            return cls(**given)
+
+    @classmethod
+    def check(cls, *, door: str = "", spelling: Mapping[str, str] | None = None,
+              **kwargs: Any) -> None:
+        """Raise what `build` would raise for these arguments, without picking any port (a
+        front door checks its values where the user wrote them, and builds at each join)."""
+        with spelled(door, spelling):
+            given, pick, taken = cls._given(kwargs)
+            avoid = taken | {a[1] for a in given.get("senders", ())
+                             if isinstance(a, (list, tuple)) and len(a) == 2}
+            spare = (p for p in itertools.count(1) if p not in avoid)  # as distinct as free ones
+            given.update(zip(pick, spare))
+            cls(**given)
+
+    @classmethod
+    def _given(cls, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str], set[int]]:
+        """`build`'s arguments that are given (not None), the ports it must pick, the ports
+        given; `ValueError` for an unknown field or a missing `world_size`."""
         given = {k: v for k, v in kwargs.items() if v is not None}
         unknown = set(given) - set(cls.__struct_fields__)
         if unknown:
             raise ValueError(f"unknown SyncConfig fields: {sorted(unknown)}")
         if "world_size" not in given:
             raise ValueError("SyncConfig.build needs world_size")
-        host = given.get("host", cls.defaults()["host"])
         pick = [name for name in ("control_port", "group_port") if not given.get(name)]
         taken = {given[name] for name in ("control_port", "group_port") if given.get(name)}
-        given.update(zip(pick, free_ports(host, len(pick), taken), strict=True))
-        return cls(**given)
+        return given, pick, taken
 
     @property
     def num_senders(self) -> int:

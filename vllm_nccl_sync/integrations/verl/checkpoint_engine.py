@@ -52,6 +52,8 @@ from vllm_nccl_sync.wire.config import SyncConfig
 log = logging.getLogger(__name__)
 
 _DEFAULT = SyncConfig.defaults()
+_SPELLING = {"bucket_bytes": "bucket_size", "backend": "transport"}
+"""SyncConfig's fields as this engine's arguments spell them."""
 
 NAME = "vllm_nccl_sync"
 """The backend name in verl's registry."""
@@ -186,6 +188,7 @@ class VllmNcclSyncCheckpointEngine(_Base):
         self.rebuild_group = rebuild_group
         self.force = force
         self.engines = list(engines or [])
+        SyncConfig.check(**self._sync_fields(), door=type(self).__name__, spelling=_SPELLING)
         self.rank: int | None = None
         self.cfg: SyncConfig | None = None
         self.client: Any = None  # PushClient on actor rank 0
@@ -199,13 +202,22 @@ class VllmNcclSyncCheckpointEngine(_Base):
         """Actor rank 0 proposes a group (fresh ports, new secret) and reports the one it holds."""
         if not self.is_master:
             return {"master": None}
-        host = self.host or _host()
-        fresh = SyncConfig.build(host=host, world_size=2, backend=self.transport,
-                                 bucket_bytes=self.bucket_size, timeout_s=self.timeout_s,
-                                 secret=secrets.token_hex(16))
+        fresh = self.sync_config(self.host or _host())
         held = self.cfg.to_dict() if self.cfg is not None and self._connected() else None
         extra = sum(e.workers for e in self.engines)
         return {"master": {"fresh": fresh.to_dict(), "held": held, "engines": extra}}
+
+    def _sync_fields(self) -> dict[str, Any]:
+        """This engine's `SyncConfig` fields under SyncConfig's names (2: the least world)."""
+        return {"host": self.host, "world_size": 2, "backend": self.transport,
+                "bucket_bytes": self.bucket_size, "timeout_s": self.timeout_s}
+
+    def sync_config(self, host: str) -> SyncConfig:
+        """A fresh group's config: bound on `host`, free ports, a new secret (its world size
+        is set by `build_topology`)."""
+        return SyncConfig.build(**{**self._sync_fields(), "host": host},
+                                secret=secrets.token_hex(16), door=type(self).__name__,
+                                spelling=_SPELLING)
 
     @classmethod
     def build_topology(

@@ -32,6 +32,7 @@ import torch
 
 from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
 from vllm_nccl_sync.integrations.vllm.model_slots import ModelSlots, tied_aliases
+from vllm_nccl_sync.outcomes import Kind, Problem
 from vllm_nccl_sync.wire.cuda_sums import copy_tapped
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ _WEIGHTLESS_SPECULATION = ("ngram", "ngram_gpu", "suffix", "extract_hidden_state
 """Speculative methods (vLLM `SpeculativeConfig.method`) that keep no weights of their own."""
 
 
-def drafter_problem(vllm_config: Any) -> str:
-    """Why an engine's speculative decoding stops in-place updates ("" if it does not).
+def drafter_problem(vllm_config: Any) -> Problem | None:
+    """Why an engine's speculative decoding stops in-place updates (None if it does not).
 
     A drafter with weights (an MTP head, EAGLE, a draft checkpoint) is a second model in the
     worker that `model.load_weights` never reaches: it would go on proposing from the old weights.
@@ -74,10 +75,12 @@ def drafter_problem(vllm_config: Any) -> str:
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None) if spec is not None else None
     if method is None or method in _WEIGHTLESS_SPECULATION:
-        return ""
-    return (f"speculative decoding with method {method!r} keeps a draft model whose weights an "
-            "update would not reach (it would keep proposing from the old ones); serve without "
-            "speculative_config, or with a weight-free method (ngram, suffix), to hot-swap weights")
+        return None
+    return Problem(Kind.DRAFTER,
+                   f"speculative decoding with method {method!r} keeps a draft model whose "
+                   "weights an update would not reach (it would keep proposing from the old "
+                   "ones); serve without speculative_config, or with a weight-free method "
+                   "(ngram, suffix), to hot-swap weights")
 
 
 class VllmWeightLoader:
@@ -124,7 +127,7 @@ class VllmWeightLoader:
         self._layers: tuple[dict, dict] | None = None  # see _refreshed
         self._slots: ModelSlots | None = None  # see _params
         if why := drafter_problem(self.vllm_config):
-            raise ValueError(f"this engine cannot be updated in place: {why}")
+            raise why.at("this engine cannot be updated in place").error()
         self._postload()  # refuses a model that cannot be updated in place, saying why
         self._fp8_blocks = _fp8_blocks(self.vllm_config)
         if getattr(self.vllm_config, "lora_config", None) is not None:

@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 
 from vllm_nccl_sync.engine.state import held_weights  # noqa: E402
 from vllm_nccl_sync.outcomes import clip  # noqa: E402
-from vllm_nccl_sync.wire.config import SyncConfig  # noqa: E402
+from vllm_nccl_sync.wire.config import SyncConfig, spelled  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,29 @@ class NcclSyncInitInfo(WeightTransferInitInfo):
     """What `init_weight_transfer_engine` carries to every worker (JSON-safe; the trainer
     engine builds it)."""
 
-    sync_config: dict[str, Any]
-    """`SyncConfig.to_dict()` of the trainer: its address, ports, world size, data plane."""
+    sync_config: dict[str, Any] | SyncConfig
+    """`SyncConfig.to_dict()` of the trainer (or the `SyncConfig` itself): its address, ports,
+    world size, data plane; refused at construction if invalid."""
     rank_offset: int = 1
     """Transfer rank of this engine's first worker (1 for the first engine behind a trainer)."""
+
+    def __post_init__(self) -> None:
+        self._config = self.sync_config if isinstance(self.sync_config, SyncConfig) else \
+            _door_config(dict(self.sync_config))
+
+    def config(self) -> SyncConfig:
+        """The trainer's `SyncConfig` (checked at construction)."""
+        return self._config
+
+
+def _door_config(d: dict[str, Any]) -> SyncConfig:
+    """`SyncConfig.from_dict(d)`; a refusal names the field as `sync_config[...]`."""
+    spelling = {name: f"sync_config[{name!r}]" for name in SyncConfig.__struct_fields__}
+    with spelled(NcclSyncInitInfo.__name__, spelling):
+        try:
+            return SyncConfig.from_dict(d)
+        except TypeError as e:  # a required field missing
+            raise ValueError(f"sync_config: {e}") from None
 
 
 @dataclass
@@ -80,7 +99,7 @@ class NcclSyncWeightTransferEngine(WeightTransferEngine[NcclSyncInitInfo, NcclSy
         """Join the trainer's transfer group (blocks until the trainer connects, bounded)."""
         from vllm_nccl_sync.integrations.vllm.worker import join, loaders
 
-        cfg = SyncConfig.from_dict(dict(init_info.sync_config))  # ValueError names the field
+        cfg = init_info.config()
         self.shutdown()
         made = loaders(self.worker)
         made()  # refuses, saying why, a model it cannot update in place: before joining

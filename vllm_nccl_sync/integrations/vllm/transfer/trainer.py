@@ -101,6 +101,7 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
     """Must be 2: each side holds two bucket buffers."""
 
     def __post_init__(self) -> None:
+        self._spelling = {"backend": "transport"}
         for alias, name, unset in (("master_address", "host", _DEFAULT["host"]),
                                    ("master_port", "group_port", 0),
                                    ("packed_buffer_size_bytes", "bucket_bytes",
@@ -110,6 +111,7 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
                 raise ValueError(f"{alias}={given!r} and {name}={own!r} name the same setting")
             if given:
                 setattr(self, name, given)
+                self._spelling[name] = alias
         if self.packed_num_buffers != 2:
             raise ValueError(f"packed_num_buffers={self.packed_num_buffers}: the {BACKEND} "
                              "backend holds two bucket buffers on each side")
@@ -121,6 +123,23 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None),
                                                      torch.dtype):
             raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
+        SyncConfig.check(**self._sync_fields(), door=type(self).__name__,
+                         spelling=self._spelling)
+
+    def _sync_fields(self) -> dict[str, Any]:
+        """This info's `SyncConfig` fields under SyncConfig's names (`auto` resolved)."""
+        backend = self.transport
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return {"host": self.host, "control_port": self.control_port,
+                "group_port": self.group_port, "world_size": self.world_size,
+                "backend": backend, "bucket_bytes": self.bucket_bytes,
+                "timeout_s": self.timeout_s, "secret": self.secret}
+
+    def sync_config(self) -> SyncConfig:
+        """The `SyncConfig` this info names: ports of 0 become ports free now (each join)."""
+        return SyncConfig.build(**self._sync_fields(), door=type(self).__name__,
+                                spelling=self._spelling)
 
     @classmethod
     def from_vllm(cls, info: Any, **extra: Any) -> NcclSyncTrainerInitInfo:
@@ -221,16 +240,6 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
 
     # ------------------------------------------------------------------ handshake
 
-    def _sync_config(self) -> SyncConfig:
-        i = self.info
-        backend = i.transport
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        return SyncConfig.build(host=i.host, control_port=i.control_port,
-                                group_port=i.group_port, world_size=i.world_size,
-                                backend=backend, bucket_bytes=i.bucket_bytes,
-                                timeout_s=i.timeout_s, secret=i.secret)
-
     def _device(self, cfg: SyncConfig) -> torch.device | None:
         if self.info.device is not None:
             return torch.device(self.info.device)
@@ -242,7 +251,7 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
         """Open the transfer group while the engine's workers join it through vLLM's
         `init_weight_transfer_engine`; either side's failure is raised at once."""
         self.shutdown()
-        cfg = self._sync_config()
+        cfg = self.info.sync_config()
         device = self._device(cfg)
         push = PushClient(cfg, device)
         gave_up = threading.Event()
