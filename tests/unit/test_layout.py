@@ -1,4 +1,4 @@
-"""The package's shape, as docs/architecture.md draws it: layers, no circles, short functions.
+"""The package's shape, as docs/architecture.md draws it: layers, no circles, short functions with few paths.
 
 Read from the source (imports as `ast` sees them, lazy ones inside functions included), so a
 reviewer can run the same check: `pytest tests/unit/test_layout.py`.
@@ -155,6 +155,49 @@ def test_functions_are_short():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (or longer than before): {long}"
     gone = [k for k in LONG_FUNCTIONS if k not in _functions()]
     assert not gone, f"listed as long but gone (take them off the list): {gone}"
+
+
+MAX_BRANCHES = 12
+"""A function takes at most this many paths (1 + each `if`/`elif`, loop, comprehension,
+`except` and `case`: McCabe's count without boolean operators)."""
+BRANCHY_FUNCTIONS = {
+    "wire/packing.py:validate_header": 18,
+    "verify.py:_check": 16,
+    "wire/channel.py:_accept": 14,
+    "planes/shared.py:_wait": 14,
+    "verify.py:_sources": 13,
+    "bench.py:_role": 13,
+    "demo.py:run": 13,
+}
+"""Functions over the bound today, each at most as branchy as it is now: the header check and
+`verify` are flat lists of rules; the benchmark and demo drivers are scripts."""
+_BRANCHES = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.ExceptHandler, ast.match_case,
+             ast.comprehension)
+
+
+def _branches(fn: ast.AST) -> int:
+    """1 + the decision points of `fn` itself (nested functions and classes count apart)."""
+    n, todo = 1, list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        n += isinstance(node, _BRANCHES)
+        todo.extend(ast.iter_child_nodes(node))
+    return n
+
+
+def test_functions_take_few_paths():
+    found = {}
+    for f in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                key = f"{f.relative_to(PKG)}:{n.name}"
+                found[key] = max(found.get(key, 0), _branches(n))
+    many = {k: n for k, n in found.items() if n > BRANCHY_FUNCTIONS.get(k, MAX_BRANCHES)}
+    assert not many, f"functions with over {MAX_BRANCHES} paths (or more than before): {many}"
+    calm = [k for k, n in BRANCHY_FUNCTIONS.items() if found.get(k, 0) <= MAX_BRANCHES]
+    assert not calm, f"listed as branchy but within the bound now (take them off): {calm}"
 
 
 def _defs(pattern: str) -> list[str]:
