@@ -50,3 +50,19 @@ def test_a_class_from_an_old_path_pickles_under_its_new_one():
 def test_a_path_that_never_existed_still_fails():
     with pytest.raises(ModuleNotFoundError):
         __import__("vllm_nccl_sync.glue.nothing_here")
+
+
+FACE = {
+    "PROTOCOL_VERSION", "AsyncLLMHandle", "EngineHandle", "Ext", "HTTPHandle", "LLMHandle",
+    "PeerFailed", "ProtocolError", "PushClient", "PushError", "PushResult", "SyncConfig",
+    "SyncError", "UpdateFailed", "UpdateRefused", "WeightSync", "WorkerSummary", "full_tensors",
+    "verify",
+}
+"""The package face's names before the package was reorganised: each is still there."""
+
+
+def test_the_package_face_keeps_every_name_it_had():
+    import vllm_nccl_sync
+
+    assert FACE <= set(vllm_nccl_sync.__all__), FACE - set(vllm_nccl_sync.__all__)
+    assert all(getattr(vllm_nccl_sync, n, None) is not None for n in vllm_nccl_sync.__all__)
