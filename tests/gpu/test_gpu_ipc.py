@@ -258,29 +258,18 @@ def _foreign_memory(q, done) -> None:
     done.wait(300)
 
 
-def in_place_trainer(cfg: dict, seeds: list[int], forge: str = "") -> list[dict]:
+def in_place_trainer(cfg: dict, seeds: list[int], forge: str = "", theirs: bytes = b""
+                     ) -> list[dict]:
     """Pushes each seed's tensors as a state dict from memory allocated the default way (so it
     can be exported): its large tensors are read where they lie. `forge`: headers name a range
     past the segment ("past") or a segment never exported ("unknown"), or every storage is
-    announced with the handle of another process's CUDA memory ("foreign")."""
-    import multiprocessing as mp
-
+    announced with `theirs`, the handle of another process's CUDA memory ("foreign")."""
     from vllm_nccl_sync.planes import ipc
     from vllm_nccl_sync.wire.protocol import Source
 
     if forge == "foreign":
-        ctx = mp.get_context("spawn")
-        q, done = ctx.Queue(), ctx.Event()
-        helper = ctx.Process(target=_foreign_memory, args=(q, done), daemon=True)
-        helper.start()
-        theirs = q.get(timeout=120)
         ipc.IpcTransport._share = lambda self, storage: (theirs, [])
-        try:
-            return push_each(cfg, seeds, state_dict=True)
-        finally:
-            done.set()
-            helper.join(60)
-    if forge:
+    elif forge:
         real = ipc.IpcTransport.export
 
         def export(self, t):
@@ -334,9 +323,22 @@ def trainer_dict_expandable(cfg: dict) -> dict:
     ("foreign", "reference counter is not one the sender's process made"),
 ])
 def test_a_header_naming_memory_outside_what_was_exported_is_refused_before_any_load(forge, why):
-    cfg = _cfg()
-    sent, got = run_procs([(in_place_trainer, (cfg, [1, 2], forge)),
-                           (receiver_of_refusals, (cfg,))], DEADLINE)
+    import multiprocessing as mp
+
+    cfg, theirs = _cfg(), b""
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    foreign = ctx.Process(target=_foreign_memory, args=(q, done), daemon=True)
+    if forge == "foreign":  # started here: the test's processes are daemons, without children
+        foreign.start()
+        theirs = q.get(timeout=120)
+    try:
+        sent, got = run_procs([(in_place_trainer, (cfg, [1, 2], forge, theirs)),
+                               (receiver_of_refusals, (cfg,))], DEADLINE)
+    finally:
+        done.set()
+        if foreign.is_alive():
+            foreign.join(60)
     assert not sent[0]["ok"] and why in sent[0]["error"], sent
     assert got["first"]["version"] == -1 and why in got["first"]["error"]
     assert got["digests"] == digests({n: torch.zeros_like(t) for n, t in tensors(0).items()})
