@@ -133,6 +133,9 @@ class Kind(enum.Enum):
     """The loader (vLLM's or the user's) failed."""
     COVERAGE = "coverage"
     """An update that must rewrite every weight and did not."""
+    READS = "reads"
+    """Read sets of one engine's workers that do not tile its checkpoint: a block outside its
+    tensor, blocks of one worker that overlap, an element no worker reads."""
 
 
 _RAISES: dict[Kind, type[SyncError]] = {Kind.HANDLE: ProtocolError}
