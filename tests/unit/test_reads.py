@@ -86,3 +86,25 @@ def test_read_sets_round_trip_and_their_bounds_are_enforced_on_decode():
     raw["tensors"]["q.weight"]["blocks"][0]["start"][0] = -1
     with pytest.raises(msgspec.ValidationError, match="blocks"):
         msgspec.convert(raw, ReadSet)
+
+
+def test_a_loaders_views_become_blocks_exactly():
+    """`integrations.vllm.reads.block_of`: the views TP loaders copy from (`narrow` of rows,
+    of columns, a whole tensor, a flattened one) are blocks; a strided view is none."""
+    import torch
+
+    from vllm_nccl_sync.integrations.vllm.reads import block_of, merged
+
+    t = torch.empty(8, 6)
+
+    def view(v: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        return v.storage_offset(), tuple(v.shape), tuple(v.stride())
+
+    assert block_of(view(t.narrow(0, 4, 4)), [8, 6]) == Block([4, 0], [8, 6])
+    assert block_of(view(t.narrow(1, 3, 3)), [8, 6]) == Block([0, 3], [8, 6])
+    assert block_of(view(t.reshape(-1)), [8, 6]) == Block([0, 0], [8, 6])
+    assert block_of(view(t[2:3].unsqueeze(0)), [8, 6]) == Block([2, 0], [3, 6])
+    assert block_of(view(t[:, ::2]), [8, 6]) is None
+    assert block_of(view(t.reshape(-1)[3:9]), [8, 6]) is None  # rows 0 and 1, in part
+    assert merged([Block([0, 0], [4, 6]), Block([4, 0], [8, 6]), Block([0, 0], [4, 6])]) == [
+        Block([0, 0], [8, 6])]

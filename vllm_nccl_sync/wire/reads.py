@@ -87,7 +87,8 @@ def _read_problem(r: Read) -> str:
     return ""
 
 
-def _overlap(a: Block, b: Block) -> bool:
+def overlaps(a: Block, b: Block) -> bool:
+    """Whether `a` and `b` share an element."""
     return all(max(x0, y0) < min(x1, y1)
                for x0, x1, y0, y1 in zip(a.start, a.stop, b.start, b.stop, strict=True))
 
@@ -119,7 +120,7 @@ def _worker_problems(rs: ReadSet, seen: dict[str, Read]) -> list[str]:
             out.append(f"{where}: {r.dtype}{r.shape} but another worker reads it as "
                        f"{first.dtype}{first.shape}")
         for a, b in itertools.combinations(r.blocks, 2):
-            if _overlap(a, b):
+            if overlaps(a, b):
                 out.append(f"{where}: blocks {a.start}..{a.stop} and {b.start}..{b.stop} overlap")
                 break
     return out
