@@ -72,8 +72,8 @@ def test_disagreeing_shapes_dims_and_whole_reads_are_refused():
     sets[0].tensors["o.weight"] = Read("float32", O, [Block([0, 0], [32, 32])], why="computed")
     assert texts(sets) == [
         "worker 0, tensor 'q.weight': block [0]..[32] has not the 2 dims of [64, 32]",
-        "worker 0, tensor 'o.weight': read whole (computed) but its blocks are not the whole "
-        "tensor",
+        ("worker 0, tensor 'o.weight': read whole (computed) but its blocks are not the whole "
+         "tensor"),
         "worker 1, tensor 'norm.weight': float32[33] but another worker reads it as float32[32]",
         "tensor 'q.weight': element [0, 0] of [64, 32] is read by no worker",
         "tensor 'o.weight': element [0, 0] of [32, 64] is read by no worker"]
