@@ -22,7 +22,7 @@ from typing import Annotated
 
 import msgspec
 
-from vllm_nccl_sync.outcomes import Kind, Problem
+from vllm_nccl_sync.outcomes import Kind, Problem, clip
 from vllm_nccl_sync.wire.packing import DTYPES, tensor_nbytes
 from vllm_nccl_sync.wire.protocol import MAX_TENSORS, Count, Name, Shape, Word
 
@@ -70,7 +70,8 @@ class ReadSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def whole(dtype: str, shape: list[int], why: str = "") -> Read:
     """The whole tensor (`why`: the reason it is whole, when its reads are not known)."""
-    return Read(dtype, list(shape), [Block([0] * len(shape), list(shape))], why)
+    return Read(dtype, list(shape), [Block([0] * len(shape), list(shape))],
+                clip(why, MAX_WHY_CHARS))
 
 
 def _read_problem(r: Read) -> str:

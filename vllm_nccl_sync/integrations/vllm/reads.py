@@ -72,12 +72,13 @@ def block_of(view: View, shape: list[int]) -> Block | None:
 
 
 def _joined(a: Block, b: Block) -> Block | None:
-    """`a` and `b` as one block, if they differ in one dimension only, where they touch."""
+    """`a` and `b` as one block, if they differ in one dimension only, where they touch or
+    overlap."""
     differ = [d for d in range(len(a.start)) if (a.start[d], a.stop[d]) != (b.start[d], b.stop[d])]
     if len(differ) != 1:
         return a if not differ else None
     d = differ[0]
-    if a.stop[d] == b.start[d] or b.stop[d] == a.start[d]:
+    if a.start[d] <= b.stop[d] and b.start[d] <= a.stop[d]:
         lo, hi = min(a.start[d], b.start[d]), max(a.stop[d], b.stop[d])
         return Block(a.start[:d] + [lo] + a.start[d + 1:], a.stop[:d] + [hi] + a.stop[d + 1:])
     return None
@@ -91,7 +92,7 @@ def _inside(a: Block, b: Block) -> bool:
 
 def merged(blocks: list[Block]) -> list[Block]:
     """`blocks` as fewer that read the same: empty ones and ones inside another dropped,
-    touching neighbours joined."""
+    neighbours that touch or overlap joined."""
     out: list[Block] = []
     for b in blocks:
         if b.numel() == 0 or any(_inside(b, o) for o in out):
@@ -104,6 +105,7 @@ def merged(blocks: list[Block]) -> list[Block]:
                 if (j := _joined(o, b)) is not None:
                     out.pop(i)
                     b, joined = j, True
+                    out = [o for o in out if not _inside(o, b)]
                     break
         out.append(b)
     return out

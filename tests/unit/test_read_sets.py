@@ -108,3 +108,6 @@ def test_a_loaders_views_become_blocks_exactly():
     assert block_of(view(t.reshape(-1)[3:9]), [8, 6]) is None  # rows 0 and 1, in part
     assert merged([Block([0, 0], [4, 6]), Block([4, 0], [8, 6]), Block([0, 0], [4, 6])]) == [
         Block([0, 0], [8, 6])]
+    assert merged([Block([2, 0], [3, 6]), Block([0, 0], [2, 6]), Block([2, 0], [4, 6])]) == [
+        Block([0, 0], [4, 6])]  # joined, then joined with one it overlaps
+    assert len(whole("float32", [1], "x" * 5000).why) == 1024
