@@ -142,6 +142,9 @@ class Kind(enum.Enum):
     """Trainer side: peers that left the data plane during an update."""
     DRAFTER = "drafter"
     """An engine whose speculative decoding keeps a draft model an update would not reach."""
+    READS = "reads"
+    """Read sets of one engine's workers that do not tile its checkpoint: a block outside its
+    tensor, blocks of one worker that overlap, an element no worker reads."""
 
 
 _RAISES: dict[Kind, type[SyncError]] = {Kind.HANDLE: ProtocolError, Kind.DRAFTER: NotUpdatable}

@@ -80,6 +80,18 @@ class Ext:
         """sha256 of the parameters as this worker holds them, under vLLM's names (`verify`)."""
         return self._nccl_sync_session().checksums(names)
 
+    def nccl_sync_read_set(self) -> dict[str, Any]:
+        """Which block of every checkpoint tensor this worker's loaders read (`wire.reads`:
+        `{"read_set": ReadSet as builtins, "error": ""}`; on failure `read_set` is None)."""
+        import msgspec
+
+        from vllm_nccl_sync.integrations.vllm.reads import read_set_of
+
+        try:
+            return {"read_set": msgspec.to_builtins(read_set_of(self)), "error": ""}
+        except Exception as e:  # noqa: BLE001 - reported, never raised into the engine
+            return {"read_set": None, "error": f"{type(e).__name__}: {e}"}
+
     def nccl_sync_metrics(self) -> dict[str, Any]:
         """This worker's counters, and its `vllm_nccl_sync_*` series as Prometheus text."""
         return self._nccl_sync_session().metrics()

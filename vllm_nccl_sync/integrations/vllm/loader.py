@@ -216,14 +216,18 @@ class VllmWeightLoader:
                 if n not in self.aliases or self.aliases[n] not in names]
 
     @torch.no_grad()
-    def prepare(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def prepare(self, named_tensors: list[tuple[str, torch.Tensor]],
+                plan: CopyPlan | None = None) -> CopyPlan | None:
         """Before a staged update is loaded, while the engine still serves: record what
         `load_weights` would copy for these tensors without writing the model
-        (`CopyPlan.rehearse`), so the swap replays plain copies from the first update on."""
+        (`CopyPlan.rehearse`), so the swap replays plain copies from the first update on.
+        `plan`: record into it instead (`reads`). The plan, None where loads are not replayed."""
         if self._unpacked is not None or self._fp8_blocks or self._layerwise():
-            return  # mid-update, or a load that is never replayed
-        self._plan.refresh(self._params())
-        self._plan.rehearse(self._batch(named_tensors), self.model.load_weights)
+            return None  # mid-update, or a load that is never replayed
+        plan = plan if plan is not None else self._plan
+        plan.refresh(self._params())
+        plan.rehearse(self._batch(named_tensors), self.model.load_weights)
+        return plan
 
     @torch.no_grad()
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,108 @@
+"""Read sets on a real TP=2 vLLM CPU engine: each worker's, from its own loaders, and the check.
+
+One engine per model (tiny llama: untied embeddings; qwen2: tied, q/k/v biases) serves every
+test here. Each worker rehearses its
+loaders on the checkpoint's tensors (`nccl_sync_read_set`); together the two read sets tile the
+checkpoint: column-parallel weights and the vocabulary split by rows, row-parallel ones by
+columns, norms read whole by both.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_nccl_sync.engine.handshake import read_safetensors_index
+from vllm_nccl_sync.tiny import (
+    PROMPTS,
+    build_model,
+    engine_kwargs,
+    hf_greedy,
+    make_model,
+    vllm_greedy,
+)
+from vllm_nccl_sync.wire.packing import tensor_nbytes
+from vllm_nccl_sync.wire.reads import ReadSet, problems
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def engine(request, tmp_path_factory):
+    from vllm import LLM
+
+    arch = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        path = make_model(str(tmp_path_factory.mktemp(arch)), arch, seed=1)
+        llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext",
+                  **engine_kwargs(tensor_parallel_size=2))
+    yield arch, path, llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def read_sets(engine) -> list[ReadSet]:
+    _, _, llm = engine
+    results = llm.collective_rpc("nccl_sync_read_set")
+    assert [r["error"] for r in results] == ["", ""]
+    return sorted((msgspec.convert(r["read_set"], ReadSet) for r in results),
+                  key=lambda s: s.worker)
+
+
+def test_the_two_workers_read_sets_tile_the_checkpoint(engine, read_sets):
+    _, path, _ = engine
+    index = read_safetensors_index(path)
+    assert [s.worker for s in read_sets] == [0, 1]
+    for s in read_sets:
+        assert {n: (r.dtype, r.shape) for n, r in s.tensors.items()} == {
+            n: (d, shape) for n, (d, shape) in index.items()}
+    assert problems(read_sets) == []
+
+
+def test_sharded_tensors_are_split_and_norms_read_whole(read_sets):
+    a, b = (s.tensors for s in read_sets)
+    layer = "model.layers.0."
+    for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                 "mlp.up_proj"):
+        rows = a[f"{layer}{leaf}.weight"].shape[0]
+        cols = a[f"{layer}{leaf}.weight"].shape[1]
+        assert [(x.start, x.stop) for x in a[f"{layer}{leaf}.weight"].blocks] == [
+            ([0, 0], [rows // 2, cols])], leaf
+        assert [(x.start, x.stop) for x in b[f"{layer}{leaf}.weight"].blocks] == [
+            ([rows // 2, 0], [rows, cols])], leaf
+    for leaf in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: a block of columns
+        rows, cols = a[f"{layer}{leaf}.weight"].shape
+        assert [(x.start, x.stop) for x in a[f"{layer}{leaf}.weight"].blocks] == [
+            ([0, 0], [rows, cols // 2])], leaf
+        assert [(x.start, x.stop) for x in b[f"{layer}{leaf}.weight"].blocks] == [
+            ([0, cols // 2], [rows, cols])], leaf
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocab-parallel: rows
+        if name in a:  # qwen2 ties its LM head to the embedding: no such checkpoint tensor
+            assert a[name].blocks[0].stop[0] == b[name].blocks[0].start[0] > 0, name
+    for name in (n for n in a if n.endswith("_proj.bias")):  # qwen2's q/k/v biases: halves
+        half = a[name].shape[0] // 2
+        assert [x.stop for x in a[name].blocks] == [[half]] == [x.start for x in b[name].blocks]
+    for name in (f"{layer}input_layernorm.weight", "model.norm.weight"):
+        assert a[name] == b[name] and a[name].blocks[0].stop == a[name].shape and not a[name].why
+
+
+def test_read_bytes_are_the_model_once_plus_its_replicated_tensors(engine, read_sets):
+    _, path, _ = engine
+    model = sum(tensor_nbytes(d, s) for d, s in read_safetensors_index(path).values())
+    a, b = (s.tensors for s in read_sets)
+    replicated = sum(r.nbytes() for n, r in a.items() if r == b[n])
+    total = sum(s.nbytes() for s in read_sets)
+    assert total == model + replicated
+    print(f"read {total} bytes for a {model}-byte model: {total / model:.3f}x, not 2x")
+    assert total < 1.1 * model
+
+
+def test_the_rehearsal_leaves_the_engine_serving_its_weights(engine, read_sets):
+    """The CPU backend's packed linears got full-size weights for the rehearsal and their
+    packed ones back: the engine's output is still the checkpoint's; a second call is cached."""
+    arch, _, llm = engine
+    assert vllm_greedy(llm, PROMPTS, 8) == hf_greedy(build_model(arch, 1), PROMPTS, 8)
+    again = llm.collective_rpc("nccl_sync_read_set")
+    assert sorted((msgspec.convert(r["read_set"], ReadSet) for r in again),
+                  key=lambda s: s.worker) == read_sets
