@@ -82,89 +82,101 @@ class _Params:
         return iter(())
 
 
-def _role(role: int, args: dict) -> dict:
-    from vllm_nccl_sync.engine.loaders import ModuleLoader
-    from vllm_nccl_sync.engine.metrics import ProgressPrinter
-    from vllm_nccl_sync.engine.receiver import Receiver
-    from vllm_nccl_sync.trainer.push import PushClient
-    from vllm_nccl_sync.verify import digest
-    from vllm_nccl_sync.wire.config import SyncConfig
-    from vllm_nccl_sync.wire.protocol import AdapterSpec
+class _Side:
+    """One process of the benchmark: the trainer (role 0) or the engine (role 1), its device,
+    its tensors and the data plane the raw broadcasts share with the pushes."""
 
-    gpu = args["backend"] == "nccl"
-    if gpu:
-        torch.cuda.set_device(role)
-        dev = torch.device("cuda", role)
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(args["threads"])  # two processes share the cores: no OpenMP spinning
+    def __init__(self, role: int, args: dict) -> None:
+        from vllm_nccl_sync.engine.loaders import ModuleLoader
+        from vllm_nccl_sync.engine.receiver import Receiver
+        from vllm_nccl_sync.trainer.push import PushClient
+        from vllm_nccl_sync.wire.config import SyncConfig
+        from vllm_nccl_sync.wire.protocol import AdapterSpec
 
-    def sync() -> None:
-        if gpu:
-            torch.cuda.current_stream(dev).synchronize()
-
-    cfg = SyncConfig(**args["cfg"])
-    tensors = synthetic_tensors(args["size"], seed=1 + role, device=dev)
-    model_bytes = sum(t.nbytes for t in tensors.values())
-    rank = args["lora_rank"]
-    adapter = None
-    if rank:
-        tensors = lora_tensors(tensors, rank, seed=11 + role)
-        adapter = AdapterSpec("bench", 1, rank, 2.0 * rank, ["attn", "mlp"])
-    if role == 0:
-        client = PushClient(cfg, device=dev)
-        client.connect()
-        tr = client.transport
-    else:
-        rx = Receiver(cfg, 1, device=dev, adapters=lambda spec: ModuleLoader(_Params(tensors)))
-        tr = rx.transport
-    payload = sum(t.nbytes for t in tensors.values())
-    big = torch.empty(payload, dtype=torch.uint8, device=dev)
-    if role == 0:
-        big.random_(0, 256)
-    one = torch.ones(1, dtype=torch.uint8, device=dev)
-
-    def barrier() -> None:
-        tr.broadcast(one, src=0).wait()
-        tr.broadcast(one, src=1).wait()
-        sync()
-
-    def confirm() -> None:  # the receiver says "all in place": queued after its loads
-        tr.broadcast(one, src=1).wait()
-        sync()
-
-    raw, push, results = [], [], []
-    for rep in range(args["reps"] + 1):  # the first of each is a warm-up
-        barrier()
-        t0 = time.perf_counter()
-        tr.broadcast(big).wait()
-        confirm()
-        raw.append(time.perf_counter() - t0)
-
-        barrier()
-        t0 = time.perf_counter()
+        self.role, self.args, self.gpu = role, args, args["backend"] == "nccl"
+        if self.gpu:
+            torch.cuda.set_device(role)
+            self.dev = torch.device("cuda", role)
+        else:
+            self.dev = torch.device("cpu")
+            torch.set_num_threads(args["threads"])  # two processes share the cores
+        self.cfg = SyncConfig(**args["cfg"])
+        self.tensors = synthetic_tensors(args["size"], seed=1 + role, device=self.dev)
+        self.model_bytes = sum(t.nbytes for t in self.tensors.values())
+        self.adapter = None
+        if args["lora_rank"]:
+            rank = args["lora_rank"]
+            self.tensors = lora_tensors(self.tensors, rank, seed=11 + role)
+            self.adapter = AdapterSpec("bench", 1, rank, 2.0 * rank, ["attn", "mlp"])
+        self.loader = lambda: ModuleLoader(_Params(self.tensors))
         if role == 0:
-            show = args["progress"] and rep == args["reps"]
-            printer = ProgressPrinter(payload, label="push") if show else None
-            res = client.push(tensors, version=rep + 1, progress=printer, adapter=adapter)
+            self.client = PushClient(self.cfg, device=self.dev)
+            self.client.connect()
+            self.tr = self.client.transport
+        else:
+            self.rx = Receiver(self.cfg, 1, device=self.dev, adapters=lambda spec: self.loader())
+            self.tr = self.rx.transport
+        self.payload = sum(t.nbytes for t in self.tensors.values())
+        self.big = torch.empty(self.payload, dtype=torch.uint8, device=self.dev)
+        if role == 0:
+            self.big.random_(0, 256)
+        self.one = torch.ones(1, dtype=torch.uint8, device=self.dev)
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.current_stream(self.dev).synchronize()
+
+    def barrier(self) -> None:
+        self.tr.broadcast(self.one, src=0).wait()
+        self.tr.broadcast(self.one, src=1).wait()
+        self.sync()
+
+    def raw(self) -> float:
+        """One broadcast of the payload's bytes, until the receiver says all is in place."""
+        self.barrier()
+        t0 = time.perf_counter()
+        self.tr.broadcast(self.big).wait()
+        self.tr.broadcast(self.one, src=1).wait()  # queued after the receiver's copies
+        self.sync()
+        return time.perf_counter() - t0
+
+    def push(self, rep: int) -> tuple[float, Any]:
+        """One update of version `rep + 1`: its seconds and, on the trainer, its PushResult."""
+        from vllm_nccl_sync.engine.metrics import ProgressPrinter
+
+        self.barrier()
+        t0, res = time.perf_counter(), None
+        if self.role == 0:
+            show = self.args["progress"] and rep == self.args["reps"]
+            printer = ProgressPrinter(self.payload, label="push") if show else None
+            res = self.client.push(self.tensors, version=rep + 1, progress=printer,
+                                   adapter=self.adapter)
             if printer:
                 printer.finish(res)
-            results.append(res)
         else:
-            summary = rx.receive(ModuleLoader(_Params(tensors)), timeout_s=cfg.timeout_s)
+            summary = self.rx.receive(self.loader(), timeout_s=self.cfg.timeout_s)
             if not summary["ok"]:
                 raise RuntimeError(f"receive failed: {summary}")
-        push.append(time.perf_counter() - t0)
-    sync()
-    digests = {n: digest(t) for n, t in tensors.items()}
-    out: dict[str, Any] = {"role": role, "digests": digests}
+        return time.perf_counter() - t0, res
+
+
+def _role(role: int, args: dict) -> dict:
+    from vllm_nccl_sync.verify import digest
+
+    side = _Side(role, args)
+    raw, push, last = [], [], None
+    for rep in range(args["reps"] + 1):  # the first of each is a warm-up
+        raw.append(side.raw())
+        seconds, last = side.push(rep)
+        push.append(seconds)
+    side.sync()
+    out: dict[str, Any] = {"role": role, "digests": {n: digest(t) for n, t in side.tensors.items()}}
     if role == 0:
-        last = results[-1]
-        out.update(raw=raw[1:], push=push[1:], payload=payload, tensors=len(tensors),
-                   buckets=last.buckets, wire=last.bytes, model_bytes=model_bytes)
-        client.close()
+        out.update(raw=raw[1:], push=push[1:], payload=side.payload, tensors=len(side.tensors),
+                   buckets=last.buckets, wire=last.bytes, model_bytes=side.model_bytes)
+        side.client.close()
     else:
-        rx.close()
+        side.rx.close()
     return out
 
 

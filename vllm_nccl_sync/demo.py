@@ -209,22 +209,13 @@ def raw_broadcast(nbytes: int, bucket_bytes: int, backend: str) -> dict:
     return bench.run(size_bytes=nbytes, bucket_bytes=bucket_bytes, reps=3, backend=backend)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start the engine, ask it, take the trainer's push, ask again; 0 if it answers as the
-    trainer's model does."""
-    verbose = getattr(args, "verbose", False)
-    if not verbose:
-        quiet()
-    import torch
+def _start_engine(path: str, verbose: bool) -> tuple[Any, str]:
+    """The engine on `path`, its start-up output in a log unless `verbose`; and the text that
+    points a failure at that log."""
     from vllm import LLM
 
-    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    path = served_checkpoint(args.arch)
-    print(f"model: tiny {args.arch} taught {QUESTION!r} -> {SERVED[QUESTION]!r}, byte-level BPE "
-          f"tokenizer (built here), at {path}; data plane: {backend}")
     t0 = time.perf_counter()
     log = None if verbose else os.path.join(path, "engine.log")
-    where = f" (engine log: {log})" if log else ""
     try:
         with stderr_to(log):
             llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())
@@ -234,10 +225,12 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"engine started in {time.perf_counter() - t0:.1f} s"
           + (f" (its start-up output: {log}; --verbose shows it)" if log else ""))
-    before = engine_answers(llm)
-    bucket = int(args.bucket_mib * 2**20) // 64 * 64
-    cfg = {"control_port": free_port(), "group_port": free_port(), "world_size": 2,
-           "backend": backend, "bucket_bytes": bucket, "timeout_s": 120.0}
+    return llm, f" (engine log: {log})" if log else ""
+
+
+def _take_push(llm: Any, cfg: dict, path: str) -> tuple[str, Any, dict]:
+    """The trainer started in a process of its own, its push received by the engine: the
+    trainer's status and report, and the engine's summary."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=trainer, args=(cfg, path, child), daemon=True)
@@ -248,20 +241,14 @@ def run(args: argparse.Namespace) -> int:
     [summary] = llm.collective_rpc("nccl_sync_receive", timeout=300, args=(120.0,))
     llm.reset_prefix_cache()  # cached KV came from the old weights
     if not parent.poll(150):
-        print("FAIL: the trainer did not report" + where)
-        return 1
+        return "silent", None, summary
     status, pushed = parent.recv()
     proc.join(timeout=30)
-    if status != "ok" or not summary["ok"]:
-        print(f"FAIL: the update failed: trainer={pushed!r} engine={summary!r}{where}")
-        return 1
-    after = engine_answers(llm)
-    llm.collective_rpc("nccl_sync_close", timeout=30)
-    expected = [tuple(e) for e in pushed["expected"]]
+    return status, pushed, summary
 
-    for p, (_, b), (_, a), (_, e) in zip(PROMPTS, before, after, expected):
-        print(f"prompt {p!r}\n  engine before: {b!r}\n  engine after:  {a!r}\n"
-              f"  trainer's model (transformers, greedy): {e!r}")
+
+def _report_cost(pushed: dict, bucket: int, backend: str) -> None:
+    """The update's size and time beside a raw broadcast of the same bytes."""
     raw = raw_broadcast(pushed["bytes"], bucket, backend)
     ms, raw_ms = pushed["seconds"] * 1e3, raw["raw_s"] * 1e3
     print(f"update: {pushed['bytes'] / 1e6:.2f} MB ({pushed['tensors']} tensors, "
@@ -272,6 +259,39 @@ def run(args: argparse.Namespace) -> int:
           f"{ms / raw_ms:.0f}x the raw broadcast: at {pushed['bytes'] / 1e6:.2f} MB fixed costs "
           f"dominate (plan check, checksums, vLLM's loaders, CPU re-packing); "
           f"`vllm-nccl-sync bench --size-mib 256` compares large payloads")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the engine, ask it, take the trainer's push, ask again; 0 if it answers as the
+    trainer's model does."""
+    verbose = getattr(args, "verbose", False)
+    if not verbose:
+        quiet()
+    import torch
+
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    path = served_checkpoint(args.arch)
+    print(f"model: tiny {args.arch} taught {QUESTION!r} -> {SERVED[QUESTION]!r}, byte-level BPE "
+          f"tokenizer (built here), at {path}; data plane: {backend}")
+    llm, where = _start_engine(path, verbose)
+    before = engine_answers(llm)
+    bucket = int(args.bucket_mib * 2**20) // 64 * 64
+    cfg = {"control_port": free_port(), "group_port": free_port(), "world_size": 2,
+           "backend": backend, "bucket_bytes": bucket, "timeout_s": 120.0}
+    status, pushed, summary = _take_push(llm, cfg, path)
+    if status == "silent":
+        print("FAIL: the trainer did not report" + where)
+        return 1
+    if status != "ok" or not summary["ok"]:
+        print(f"FAIL: the update failed: trainer={pushed!r} engine={summary!r}{where}")
+        return 1
+    after = engine_answers(llm)
+    llm.collective_rpc("nccl_sync_close", timeout=30)
+    expected = [tuple(e) for e in pushed["expected"]]
+    for p, (_, b), (_, a), (_, e) in zip(PROMPTS, before, after, expected):
+        print(f"prompt {p!r}\n  engine before: {b!r}\n  engine after:  {a!r}\n"
+              f"  trainer's model (transformers, greedy): {e!r}")
+    _report_cost(pushed, bucket, backend)
     same = sum(a == e for a, e in zip(after, expected))
     ok = (after == expected and [t for _, t in before] == [SERVED[p] for p in PROMPTS]
           and [t for _, t in after] == [TAUGHT[p] for p in PROMPTS])

@@ -223,17 +223,11 @@ class SenderChannel(_Counting):
         sid, epoch, counter, rank = got.session, got.epoch, got.counter, got.rank
         if sid != rid:
             return self._reject("session/routing id mismatch", who)
-        if epoch not in (self.epoch, NO_EPOCH):
-            return self._reject("wrong trainer instance", who, f"rank {rank}")
         s = self._sessions.get(sid)
-        if s is not None and s.rank != rank:
-            return self._reject("rank mismatch", who, f"session of rank {s.rank} says {rank}")
-        if s is not None and counter <= s.last_in:
-            return self._reject("replayed", who, f"rank {rank} counter {counter} <= {s.last_in}")
-        if s is None and (sid in self._retired or epoch != NO_EPOCH):
-            return self._reject("stale session", who, f"rank {rank}")
-        if s is None and len(self._sessions) >= _MAX_SESSIONS:
-            return self._reject("too many sessions", who)
+        refused = self._refused(s, sid, epoch, counter, rank)
+        if refused:
+            reason, detail = refused
+            return self._reject(reason, who, detail)
         if s is not None:
             s.last_in = counter
         try:
@@ -248,6 +242,21 @@ class SenderChannel(_Counting):
                 return self._reject("no session", who, f"{type(msg).__name__} before Hello")
             self._bind(rank, sid, counter, who)
         return rank, msg
+
+    def _refused(self, s: _Session | None, sid: bytes, epoch: int, counter: int, rank: int
+                 ) -> tuple[str, str] | None:
+        """Why a frame of session `s` (None: none yet) is dropped, as (reason, detail)."""
+        if epoch not in (self.epoch, NO_EPOCH):
+            return "wrong trainer instance", f"rank {rank}"
+        if s is not None and s.rank != rank:
+            return "rank mismatch", f"session of rank {s.rank} says {rank}"
+        if s is not None and counter <= s.last_in:
+            return "replayed", f"rank {rank} counter {counter} <= {s.last_in}"
+        if s is None and (sid in self._retired or epoch != NO_EPOCH):
+            return "stale session", f"rank {rank}"
+        if s is None and len(self._sessions) >= _MAX_SESSIONS:
+            return "too many sessions", ""
+        return None
 
     def _bind(self, rank: int, sid: bytes, counter: int, who: str) -> None:
         old = self._by_rank.get(rank)

@@ -267,29 +267,7 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
         if s.name in names:
             raise ValueError(f"tensor {s.name!r}: duplicate name in one bucket")
         names.add(s.name)
-        if s.dtype not in DTYPES:
-            raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
-        itemsize = DTYPES[s.dtype].itemsize
-        if _numel_exceeds(s.shape, _MAX_INT64 // itemsize):
-            raise ValueError(f"tensor {s.name!r}: shape too large for a tensor")
-        total = tensor_nbytes(s.dtype, s.shape)
-        if s.offset < end:
-            raise ValueError(f"tensor {s.name!r}: offset {s.offset} overlaps the previous slot")
-        if s.offset % ALIGN:
-            raise ValueError(f"tensor {s.name!r}: offset {s.offset} not aligned to {ALIGN}")
-        if s.nbytes % itemsize or s.start % itemsize:
-            raise ValueError(f"tensor {s.name!r}: byte range not made of whole {s.dtype} elements")
-        if s.start + s.nbytes > total:
-            raise ValueError(
-                f"tensor {s.name!r}: bytes [{s.start}, {s.start + s.nbytes}) exceed its size {total}"
-            )
-        if s.nbytes == 0 and total != 0:
-            raise ValueError(f"tensor {s.name!r}: empty chunk of a non-empty tensor")
-        end = s.offset + s.nbytes
-        if end > header.length:
-            raise ValueError(
-                f"tensor {s.name!r}: bytes end at {end}, past the bucket length {header.length}"
-            )
+        end = _check_slot(s, end, header.length)
     if end != header.length:
         raise ValueError(f"bucket length {header.length} != end of its last tensor {end}")
     if header.at is not None:
@@ -298,6 +276,33 @@ def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> N
                              f"{len(header.slots)} slots")
         if not all(s.nbytes for s in header.slots):
             raise ValueError("a bucket read where it lies holds no empty slot")
+
+
+def _check_slot(s: Slot, end: int, length: int) -> int:
+    """`validate_header`'s rules for one slot, which follows bytes ending at `end` in a bucket of
+    `length` bytes; the end of this slot's bytes."""
+    if s.dtype not in DTYPES:
+        raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
+    itemsize = DTYPES[s.dtype].itemsize
+    if _numel_exceeds(s.shape, _MAX_INT64 // itemsize):
+        raise ValueError(f"tensor {s.name!r}: shape too large for a tensor")
+    total = tensor_nbytes(s.dtype, s.shape)
+    if s.offset < end:
+        raise ValueError(f"tensor {s.name!r}: offset {s.offset} overlaps the previous slot")
+    if s.offset % ALIGN:
+        raise ValueError(f"tensor {s.name!r}: offset {s.offset} not aligned to {ALIGN}")
+    if s.nbytes % itemsize or s.start % itemsize:
+        raise ValueError(f"tensor {s.name!r}: byte range not made of whole {s.dtype} elements")
+    if s.start + s.nbytes > total:
+        raise ValueError(
+            f"tensor {s.name!r}: bytes [{s.start}, {s.start + s.nbytes}) exceed its size {total}"
+        )
+    if s.nbytes == 0 and total != 0:
+        raise ValueError(f"tensor {s.name!r}: empty chunk of a non-empty tensor")
+    end = s.offset + s.nbytes
+    if end > length:
+        raise ValueError(f"tensor {s.name!r}: bytes end at {end}, past the bucket length {length}")
+    return end
 
 
 RowLoader = Callable[[str, torch.Tensor, int, list[int]], bool]
