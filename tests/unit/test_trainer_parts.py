@@ -16,7 +16,6 @@ import torch
 
 from vllm_nccl_sync.outcomes import Kind, PeerFailed, PushError, UpdateRefused
 from vllm_nccl_sync.planes.base import Transport
-from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.rounds import Rounds
 from vllm_nccl_sync.trainer.send import Sender, send
@@ -24,6 +23,7 @@ from vllm_nccl_sync.trainer.sync import WeightSync, free_port
 from vllm_nccl_sync.trainer.tensors import Caster, engine_dtype, faithful
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.deadline import Deadline
 from vllm_nccl_sync.wire.packing import plan_buckets
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
 from vllm_nccl_sync.wire.protocol import (

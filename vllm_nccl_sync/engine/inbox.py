@@ -15,11 +15,11 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from vllm_nccl_sync.engine.update import Update
 from vllm_nccl_sync.outcomes import Problem, ProtocolError, UpdateFailed, clip
 from vllm_nccl_sync.wire.channel import ReceiverChannel
+from vllm_nccl_sync.wire.deadline import Deadline
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -36,19 +36,12 @@ _NAMED = 5
 """Kinds of dropped frames a message names (the most frequent first)."""
 
 
-@dataclass(slots=True)
-class Wait:
-    """What a wait is for, and its absolute deadline (`seconds` from now)."""
+class Wait(Deadline):
+    """What a wait is for, and its deadline (`seconds` from now)."""
 
-    what: str
-    seconds: float
-    deadline: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.deadline = time.monotonic() + self.seconds
-
-    def left(self) -> float:
-        return max(self.deadline - time.monotonic(), 0.0)
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(seconds)
+        self.what = what
 
 
 class Inbox:
@@ -121,7 +114,7 @@ class Inbox:
                 kind = type(msg).__name__ + ("" if version is None else f" of update {version}")
                 log.info("rank %d skipping a %s while waiting for %s", self.rank, kind, wait.what)
                 self.dropped[kind] += 1
-            if time.monotonic() >= wait.deadline:
+            if time.monotonic() >= wait.at:
                 raise self._expired(wait, "the deadline passed")
 
     def _expired(self, wait: Wait, why: str) -> TimeoutError:

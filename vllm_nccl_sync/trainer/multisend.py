@@ -34,7 +34,6 @@ import torch
 from vllm_nccl_sync.outcomes import Kind, Problem, PushError, clip
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.registry import open_transport
-from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners
 from vllm_nccl_sync.trainer.rounds import Rounds
@@ -42,6 +41,7 @@ from vllm_nccl_sync.trainer.send import Buckets, Lead, Sender, send
 from vllm_nccl_sync.trainer.tensors import Caster, PushResult, faithful, without_aliases
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.deadline import Deadline
 from vllm_nccl_sync.wire.packing import DTYPES, alone_bytes, dtype_name
 from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,

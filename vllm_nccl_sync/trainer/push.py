@@ -30,7 +30,6 @@ import torch
 from vllm_nccl_sync.outcomes import PeerFailed, PushError, UpdateRefused
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.registry import open_transport
-from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.multisend import Coordinator, PeerSender
 from vllm_nccl_sync.trainer.rounds import Rounds
@@ -44,6 +43,7 @@ from vllm_nccl_sync.trainer.tensors import (
 )
 from vllm_nccl_sync.wire.channel import SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
+from vllm_nccl_sync.wire.deadline import Deadline
 from vllm_nccl_sync.wire.packing import (
     Bucket,
     StreamPacker,

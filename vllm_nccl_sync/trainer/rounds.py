@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 
 from vllm_nccl_sync.outcomes import PushError, UpdateRefused, clip
-from vllm_nccl_sync.trainer.deadline import Deadline
 from vllm_nccl_sync.wire.channel import SenderChannel
+from vllm_nccl_sync.wire.deadline import Deadline
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,

@@ -1,9 +1,9 @@
-"""The trainer side's one wait rule: every wait takes its remaining time from one deadline.
+"""The one wait rule of both sides: every wait takes its remaining time from one deadline.
 
-A wait (a join, a control round, the coordinator's verdict) starts a `Deadline` and passes it
-down; each look at a socket is given what is left of it, so nothing that arrives meanwhile (a
-message of another update, a stale answer) extends it. The engine side's counterpart is
-`engine/inbox.py`'s `Wait`.
+A wait (a join, a control round, the coordinator's verdict, a receiver's next message) starts a
+`Deadline` and passes it down; each look at a socket is given what is left of it, so nothing
+that arrives meanwhile (a message of another update, a stale answer) extends it. The engine
+side's waits are `engine/inbox.py`'s `Wait`, a `Deadline` that says what it waits for.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import time
 
 class Deadline:
     """`seconds` from now, as an absolute point on the monotonic clock (`at`)."""
-
-    __slots__ = ("at", "seconds")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
