@@ -76,9 +76,9 @@ def record_broadcasts() -> list[int]:
     sizes: list[int] = []
     orig = Transport.broadcast
 
-    def spy(self, tensor, src=0, *, length=None):
+    def spy(self, tensor, src=0, *, length=None, to=None):
         sizes.append(tensor.numel() if length is None else length)
-        return orig(self, tensor, src, length=length)
+        return orig(self, tensor, src, length=length, to=to)
 
     Transport.broadcast = spy
     return sizes

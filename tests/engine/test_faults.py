@@ -64,8 +64,8 @@ def _stream(sd: dict, fault: str | None):
 
         real, calls = Transport.broadcast, []
 
-        def broadcast_then_die(self, tensor, src=0, *, length=None):
-            handle = real(self, tensor, src, length=length)
+        def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
+            handle = real(self, tensor, src, length=length, to=to)
             calls.append(1)
             if len(calls) == 3:
                 handle.wait()
@@ -86,11 +86,11 @@ def dying_receiver(cfg: dict, rank: int) -> None:
     loader = ModuleLoader(build_model("qwen2", 1))
     real, calls = Transport.broadcast, []
 
-    def broadcast_then_die(self, tensor, src=0, *, length=None):
+    def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, tensor, src, length=length)
+        return real(self, tensor, src, length=length, to=to)
 
     Transport.broadcast = broadcast_then_die
     Receiver(SyncConfig(**cfg), rank).receive(loader, timeout_s=60)

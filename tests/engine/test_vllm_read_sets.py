@@ -1,10 +1,10 @@
-"""Read sets on a real TP=2 vLLM CPU engine: each worker's, from its own loaders, and the check.
+"""Read sets and shard to shard on real vLLM CPU engines.
 
-One engine per model (tiny llama: untied embeddings; qwen2: tied, q/k/v biases) serves every
-test here. Each worker rehearses its
-loaders on the checkpoint's tensors (`nccl_sync_read_set`); together the two read sets tile the
-checkpoint: column-parallel weights and the vocabulary split by rows, row-parallel ones by
-columns, norms read whole by both.
+One TP=2 engine per model (tiny llama: untied embeddings; qwen2: tied, q/k/v biases) serves
+every test here, and a TP=1 engine of the same model joins it for the last one. Each worker
+rehearses its loaders on the checkpoint's tensors (`nccl_sync_read_set`); together the two read
+sets tile the checkpoint: column-parallel weights and the vocabulary split by rows, row-parallel
+ones by columns, norms read whole by both. Then one push feeds both engines shard to shard.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import msgspec
 import pytest
 
 from vllm_nccl_sync.engine.handshake import read_safetensors_index
+from vllm_nccl_sync.integrations.vllm.handles import LLMHandle
 from vllm_nccl_sync.tiny import (
+    DTYPE,
     PROMPTS,
     build_model,
     engine_kwargs,
@@ -21,8 +23,10 @@ from vllm_nccl_sync.tiny import (
     make_model,
     vllm_greedy,
 )
-from vllm_nccl_sync.wire.packing import tensor_nbytes
-from vllm_nccl_sync.wire.reads import ReadSet, problems
+from vllm_nccl_sync.trainer.sync import WeightSync
+from vllm_nccl_sync.trainer.tensors import without_aliases
+from vllm_nccl_sync.wire.packing import ALIGN, tensor_nbytes
+from vllm_nccl_sync.wire.reads import ReadSet, nbytes, problems
 
 pytestmark = pytest.mark.vllm
 
@@ -91,8 +95,8 @@ def test_read_bytes_are_the_model_once_plus_its_replicated_tensors(engine, read_
     _, path, _ = engine
     model = sum(tensor_nbytes(d, s) for d, s in read_safetensors_index(path).values())
     a, b = (s.tensors for s in read_sets)
-    replicated = sum(r.nbytes() for n, r in a.items() if r == b[n])
-    total = sum(s.nbytes() for s in read_sets)
+    replicated = sum(nbytes(r) for n, r in a.items() if r == b[n])
+    total = sum(nbytes(s) for s in read_sets)
     assert total == model + replicated
     print(f"read {total} bytes for a {model}-byte model: {total / model:.3f}x, not 2x")
     assert total < 1.1 * model
@@ -106,3 +110,42 @@ def test_the_rehearsal_leaves_the_engine_serving_its_weights(engine, read_sets):
     again = llm.collective_rpc("nccl_sync_read_set")
     assert sorted((msgspec.convert(r["read_set"], ReadSet) for r in again),
                   key=lambda s: s.worker) == read_sets
+
+
+@pytest.fixture(scope="module")
+def tp1(engine):
+    from vllm import LLM
+
+    _, path, _ = engine
+    llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_one_push_feeds_a_tp2_and_a_tp1_engine_shard_to_shard(engine, tp1, read_sets):
+    """Each TP=2 worker receives its read set (counted at its data plane), the TP=1 worker the
+    whole model, and both engines then answer as transformers does, over two updates."""
+    arch, _, llm = engine
+    sync = WeightSync([LLMHandle(llm), LLMHandle(tp1)], bucket_bytes=256 * 1024, timeout_s=60,
+                      shard=True)
+    try:
+        sync.connect()
+        assert [sync.client.reads[r] for r in (1, 2)] == read_sets
+        for version in (5, 7):
+            model = build_model(arch, seed=version)
+            result = sync.update(model.state_dict(), version=version)
+            want = hf_greedy(model, PROMPTS, 8)
+            assert vllm_greedy(llm, PROMPTS, 8) == want and vllm_greedy(tp1, PROMPTS, 8) == want
+            got = {a.rank: a.bytes for a in result.acks}
+            assert got == result.per_receiver  # received (the data plane's count) = planned
+            for rank, rs in zip((1, 2), read_sets):
+                reads = sum(r.numel() for r in rs.tensors.values()) * DTYPE.itemsize
+                assert reads <= got[rank] < reads + ALIGN * (len(rs.tensors) + result.buckets)
+            model_bytes = sum(t.numel() for _, t in without_aliases(model.state_dict()))
+            model_bytes *= DTYPE.itemsize
+            assert got[3] >= model_bytes
+            ratio = (got[1] + got[2]) / model_bytes
+            print(f"{arch}: the TP=2 engine's workers took {ratio:.3f}x the model (broadcast: 2x)")
+            assert ratio < 1.1
+    finally:
+        sync.close()

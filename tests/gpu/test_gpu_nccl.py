@@ -329,8 +329,8 @@ def dying_trainer_proc(cfg: dict, kill_at: int) -> None:
     model = build_model(seed=5, device=dev)
     real, calls = Transport.broadcast, []
 
-    def broadcast_then_die(self, tensor, src=0, *, length=None):
-        handle = real(self, tensor, src, length=length)
+    def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
+        handle = real(self, tensor, src, length=length, to=to)
         calls.append(1)
         if len(calls) == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -168,8 +168,8 @@ def killed_sender_proc(cfg: dict, rank: int = 1) -> None:
     client.push(owned(model_tensors(1), rank), 1)
     orig = Transport.broadcast
 
-    def spy(self, tensor, src=0, *, length=None):
-        work = orig(self, tensor, src, length=length)
+    def spy(self, tensor, src=0, *, length=None, to=None):
+        work = orig(self, tensor, src, length=length, to=to)
         wait = work.wait
 
         def wait_then_die():

@@ -559,7 +559,7 @@ class StandInTransport:
     def abort(self, reason):
         pass
 
-    def broadcast(self, tensor, src=0, *, length=None):
+    def broadcast(self, tensor, src=0, *, length=None, to=None):
         self.calls += 1
         tensor[:length].fill_(self.calls)
         self.log.append(("broadcast", self.calls))

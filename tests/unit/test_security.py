@@ -241,7 +241,7 @@ class _StandIn:
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")
 
-    def broadcast(self, tensor, src=0, *, length=None):
+    def broadcast(self, tensor, src=0, *, length=None, to=None):
         tensor[:length].fill_(7)
         return self
 

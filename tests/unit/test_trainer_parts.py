@@ -162,7 +162,7 @@ class FakePlane:
         self.posted: list[torch.Tensor] = []
         self.fail_at = fail_at
 
-    def broadcast(self, tensor: torch.Tensor):
+    def broadcast(self, tensor: torch.Tensor, *, to=None):
         self.posted.append(tensor)
         if len(self.posted) == self.fail_at:
             raise RuntimeError("Connection reset by peer")
@@ -176,7 +176,7 @@ def test_a_bucket_whose_only_moving_slot_is_one_tensor_is_sent_from_its_memory()
     """A zero-byte tensor beside it moves nothing, so it does not force a pack copy; two moving
     tensors are packed into the lane's buffer."""
     w, v = torch.randn(1000), torch.randn(10)
-    lane = BucketLane(FakePlane(), 16 * 1024, check=True, timeout_s=10, digest=lambda d: None)
+    lane = BucketLane(FakePlane(), 16 * 1024, check=True, timeout_s=10, digest=lambda d, to: None)
     [b] = list(plan_buckets([("empty", torch.empty(0)), ("w", w)], 16 * 1024))
     assert [s.nbytes for s in b.slots] == [0, 4000]
     assert lane.wire(b.slots, b.sources).data_ptr() == w.data_ptr()
@@ -188,7 +188,7 @@ def test_a_bucket_whose_only_moving_slot_is_one_tensor_is_sent_from_its_memory()
 def test_a_broadcast_that_raises_is_a_lost_peer_and_every_agreed_bucket_is_still_posted():
     plane = FakePlane(fail_at=2)
     digests = []
-    lane = BucketLane(plane, 16 * 1024, check=True, timeout_s=10, digest=digests.append)
+    lane = BucketLane(plane, 16 * 1024, check=True, timeout_s=10, digest=lambda d, to: digests.append(d))
     buckets = list(plan_buckets([(f"t{i}", torch.randn(3000)) for i in range(3)], 16 * 1024,
                                 alone=8 * 1024))
     assert len(buckets) == 3
@@ -242,7 +242,7 @@ def test_a_state_dict_where_the_last_one_lay_reuses_its_layout_and_is_summed_aga
     its checksums are of the bytes as they are now. A tensor moved to new memory, or a state
     dict of other names, is laid out afresh."""
     plane = ExportingPlane()
-    lane = BucketLane(plane, 16 * 1024, check=True, timeout_s=10, digest=lambda d: None)
+    lane = BucketLane(plane, 16 * 1024, check=True, timeout_s=10, digest=lambda d, to: None)
     sd = {f"t{i}": torch.randn(1000) for i in range(6)}
     places, sums = _laid_out(lane, sd)
     assert len(places) > 1 and all(p is not None for p in places) and plane.exported == 12

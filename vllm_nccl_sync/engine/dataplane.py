@@ -152,6 +152,10 @@ class ReceivePlane:
                 if named:
                     t.keep_mapped(named)
         for h in headers:
+            if h.to is not None and not self.transports[h.src].reaches_some:
+                return Problem(Kind.HEADER, f"rank {rank} refused bucket {h.seq}: it is for some "
+                               f"receivers only, and the {self.transports[h.src].backend} plane "
+                               "sends every bucket to every receiver")
             if h.at is not None:
                 try:
                     self._parts(h)
@@ -172,18 +176,19 @@ class ReceivePlane:
             return _Mapped(self._parts(header), header.slots), None
         i, length = seq % 2, header.length
         buf, t = self.wire[i], self.transports[header.src]
+        to = None if header.to is None else [t.rank]  # point to point: from the sender to here
         if self.canary_bytes:
             room = min(self.canary_bytes, buf.numel() - length)
             canary = None
             if room:
                 canary = torch.frombuffer(bytearray(os.urandom(room)), dtype=torch.uint8)
                 buf[length : length + room].copy_(canary)
-            return t.broadcast(buf, length=length), canary
+            return t.broadcast(buf, length=length, to=to), canary
         if not self.cuda:
-            return t.broadcast(buf[:length]), None
+            return t.broadcast(buf[:length], to=to), None
         with torch.cuda.stream(self._issue):  # after the loads that last read this buffer
             self._issue.wait_event(self._free[i])
-            return t.broadcast(buf[:length]), None
+            return t.broadcast(buf[:length], to=to), None
 
     def arrived(self, seq: int, length: int, work: Any) -> Any:
         """Wait for bucket `seq`'s bytes (CUDA: the current stream waits) and return their

@@ -45,6 +45,7 @@ from vllm_nccl_sync.wire.protocol import (
     Go,
     Hello,
     Plan,
+    ReadSet,
     Ready,
     Seal,
     UnreadablePlan,
@@ -74,6 +75,7 @@ class Receiver:
         adapters: Callable[[AdapterSpec], WeightLoader] | None = None,
         dtype: str = "",
         residency: Callable[[], Residency] | None = None,
+        reads: ReadSet | None = None,
     ) -> None:
         """Join as `rank`; `reference` (the engine's tensors) lets plans and headers be checked
         against the model before any byte moves; `state` carries what the worker holds across
@@ -82,7 +84,9 @@ class Receiver:
         `adapters` gives the loader of an update whose plan targets a LoRA adapter (None: such
         updates are refused); `dtype` (a wire dtype name) is the engine's floating-point weight
         dtype, told to the trainer in the `Hello` so that it can cast to it; `residency` gives
-        what vLLM's sleep mode did to the model's weights (`engine.residency`; None: nothing)."""
+        what vLLM's sleep mode did to the model's weights (`engine.residency`; None: nothing);
+        `reads` what this worker's loaders read of each checkpoint tensor, told to the trainer
+        in the `Hello` so that it sends the worker only that (None: every tensor whole)."""
         if rank < cfg.num_senders:
             raise ValueError(f"ranks 0..{cfg.num_senders - 1} are the senders")
         self.cfg = cfg
@@ -90,6 +94,7 @@ class Receiver:
         self.reference = reference
         self.adapters = adapters
         self.residency = residency
+        self.reads = dict(reads.tensors) if reads is not None else None
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)
         self._broken = ""  # a failure that left this receiver out of step with the group
@@ -101,7 +106,7 @@ class Receiver:
         self.channel = ReceiverChannel(cfg.host, cfg.control_port, rank, cfg.secret_bytes)
         self.inbox = Inbox(self.channel, rank, cfg.timeout_s, self._extend)
         self.inbox.send(Hello(PROTOCOL_VERSION, rank, replica, tp_rank, tp_size, cfg.bucket_bytes,
-                              cfg.backend, self.require_checksums, dtype))
+                              cfg.backend, self.require_checksums, dtype, reads))
         # One data-plane group per sender: {sender s} + every receiver (one sender: the config's).
         group_rank = rank - cfg.num_senders + 1
         self.plane = ReceivePlane([open_transport(cfg.group(s), group_rank, device)
@@ -141,10 +146,10 @@ class Receiver:
         """
         self.inbox.reset()
         u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders, beside=beside,
-                   runs=self.plane.loads_in_place)
+                   runs=self.plane.loads_in_place, reads=self.reads)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
-        re = Reassembler()
+        re = Reassembler(reads=self.reads)
         try:
             plan = self._opening(u, timeout_s or self.cfg.timeout_s)
             u.mark("plan")
@@ -154,9 +159,9 @@ class Receiver:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
             if not u.staged:  # staged updates keep whole copies anyway
-                re = Reassembler(getattr(loader, "load_rows", None))
+                re = Reassembler(getattr(loader, "load_rows", None), self.reads)
             elif beside is not None:  # large tensors go into the shadow as their rows arrive
-                re = Reassembler(beside.shadow.load_rows)
+                re = Reassembler(beside.shadow.load_rows, self.reads)
             with self.plane.armed(self.verdict_s, f"update {u.version}"):
                 self._buckets(loader, re, u)
                 self._round.run(loader, u)
@@ -257,7 +262,7 @@ class Receiver:
         """Post bucket `seq`'s collective once its header is accepted and a `Go` covers it."""
         self._pump(u, lambda: u.agreed >= seq, f"Go for bucket {seq}")
         header = u.headers[seq]
-        if header.length:
+        if header.length and u.mine(header):
             u.posted[seq] = self.plane.post(header, seq)
 
     def _buckets(self, loader: WeightLoader, re: Reassembler, u: Update) -> None:
@@ -345,7 +350,7 @@ class Receiver:
                 loader.begin()
                 u.began = True
             by_rows = re.loaded_by_rows
-            named = re.unpack(header, self.plane.bucket(seq))
+            named = re.unpack(header, self.plane.bucket(seq)) if u.mine(header) else []
             u.ntensors += len(named) + re.loaded_by_rows - by_rows
             if u.staged:
                 keep = u.beside.shadow.keep if u.beside is not None else torch.clone

@@ -29,7 +29,7 @@ from vllm_nccl_sync.engine.shadow import BesideReceive, Shadow
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader
 from vllm_nccl_sync.outcomes import CARRY_UNSUPPORTED, WorkerSummary
 from vllm_nccl_sync.wire.config import SyncConfig
-from vllm_nccl_sync.wire.protocol import AdapterSpec
+from vllm_nccl_sync.wire.protocol import AdapterSpec, ReadSet
 
 
 class Adapters(Protocol):
@@ -103,26 +103,30 @@ class EngineSession:
 
     def join(self, cfg: SyncConfig, where: Placement, loaders: Callable[[], WeightLoader], *,
              reference: Reference | None = None, dtype: str = "",
-             device: torch.device | None = None) -> Placement:
+             device: torch.device | None = None,
+             reads: Callable[[], ReadSet] | None = None) -> Placement:
         """Join the trainer's group as `where.rank`, leaving the group held before; blocks until
         the trainer's `PushClient.connect()` meets it (at most `cfg.timeout_s`).
 
         `loaders` gives the loader of each update (asked once here, so that a model it cannot
         update is refused now, saying why); `reference` is the engine's tensors that plans are
         checked against; `dtype` its floating-point weight dtype (a wire dtype name, "" if not
-        known); `device` the worker's device (the NCCL data plane uses it). Raises what joining
-        raises (`TimeoutError` naming the trainer's address, ...).
+        known); `device` the worker's device (the NCCL data plane uses it); `reads` this
+        worker's read set, published to the trainer when `cfg.shard` (`ValueError` saying why
+        when there is none). Raises what joining raises (`TimeoutError` naming the trainer's
+        address, ...).
         """
         self._refuse_while_beside("join")
         self.close()
         loaders()
+        read_set = _read_set(reads) if cfg.shard else None
         if self._make_adapters is not None and self._adapters is None:
             self._adapters = self._make_adapters()
         self.receiver = Receiver(
             cfg, where.rank, replica=where.replica, tp_rank=where.tp_rank, tp_size=where.tp_size,
             device=device, reference=reference, state=self.state, dtype=dtype,
             adapters=self._adapters.loader if self._adapters is not None else None,
-            residency=self.residency)
+            residency=self.residency, reads=read_set)
         self.placement, self.loaders = where, loaders
         return where
 
@@ -247,6 +251,18 @@ class EngineSession:
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             receiver.close()
+
+
+def _read_set(reads: Callable[[], ReadSet] | None) -> ReadSet:
+    """This worker's read set, for shard to shard; `ValueError` saying why there is none."""
+    if reads is None:
+        raise ValueError("shard to shard (SyncConfig.shard) needs each worker's read set, and "
+                         "this engine's integration computes none")
+    try:
+        return reads()
+    except ValueError as e:
+        raise ValueError(f"shard to shard (SyncConfig.shard) needs this worker's read set: {e}")\
+            from None
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -28,7 +28,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 

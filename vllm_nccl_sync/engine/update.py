@@ -4,6 +4,12 @@ A plan is accepted or refused as a whole: every header it carries is checked bef
 `Ready` (or `Error`) that answers it. A stream's later headers are checked one by one. Across the
 plan's tensor list and every header of the update, stream headers included, each tensor (or each
 byte range of a tensor cut over several buckets) is named once.
+
+Shard to shard, a header may be for some receivers only (`BucketHeader.to`): the others check its
+fields and join none of its collectives. Blocks of a tensor (`Slot.blocks`) come in a plan's
+headers only, each inside what this worker reads of it (`reads`), none twice; the plan must name
+every element the worker reads of each tensor it sends blocks of, or it is refused before any
+byte moves.
 """
 
 from __future__ import annotations
@@ -19,8 +25,17 @@ from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, held_weights
 from vllm_nccl_sync.outcomes import Kind, Problem, clip
-from vllm_nccl_sync.wire.packing import validate_header
-from vllm_nccl_sync.wire.protocol import AdapterSpec, BucketHeader, Plan, TensorSpec, belongs
+from vllm_nccl_sync.wire.packing import chunk_key, overlaps, validate_header
+from vllm_nccl_sync.wire.protocol import (
+    AdapterSpec,
+    Block,
+    BucketHeader,
+    Plan,
+    Read,
+    Slot,
+    TensorSpec,
+    belongs,
+)
 
 
 @dataclass(slots=True)
@@ -49,8 +64,14 @@ class Update:
     """The highest bucket a `Go` covers."""
     last: int = -1
     """Seq of the header marked `is_last` once accepted (-1: not yet)."""
-    covered: dict[str, int] = field(default_factory=dict)
-    """Per tensor named so far: where the bytes named for it end."""
+    covered: dict[str | tuple, int] = field(default_factory=dict)
+    """Per tensor named so far (per its blocks, for a slot of blocks): where its bytes end."""
+    reads: dict[str, Read] | None = None
+    """What this worker reads of each checkpoint tensor (None: it published no read set)."""
+    regions: dict[str, list[Block]] = field(default_factory=dict)
+    """Per tensor sent in blocks: the blocks named for this worker so far."""
+    opening: bool = False
+    """The plan's own headers are being checked (blocks may travel there only)."""
     posted: dict[int, Any] = field(default_factory=dict)
     """Per posted bucket: (handle, canary); removed once arrived."""
     digests: dict[int, int] = field(default_factory=dict)
@@ -119,6 +140,7 @@ class Update:
         if not plan.buckets:
             return Problem(Kind.PLAN, f"rank {self.rank} refused update {plan.version}: a plan "
                            "without buckets")
+        self.opening = True
         for h in plan.buckets:
             problem = (Problem(Kind.HEADER, f"rank {self.rank} rejected bucket {h.seq}: force "
                                "flag differs from the plan's")
@@ -126,6 +148,26 @@ class Update:
             if problem:
                 self.refuse(problem)
                 return problem
+        self.opening = False
+        if problem := self.reads_gap():
+            self.refuse(problem)
+        return problem
+
+    def mine(self, header: BucketHeader) -> bool:
+        """Whether this receiver joins bucket `header`'s collective (it is for every receiver,
+        or names this one)."""
+        return header.to is None or self.rank in header.to
+
+    def reads_gap(self) -> Problem | None:
+        """Why the blocks the plan names fall short of what this worker reads (None: they
+        cover every tensor sent in blocks, exactly)."""
+        for name, blocks in self.regions.items():
+            read = (self.reads or {})[name]
+            got, want = sum(b.numel() for b in blocks), read.numel()
+            if got != want:
+                return Problem(Kind.READS, f"rank {self.rank} refused update {self.version}: "
+                               f"its plan names {got} of the {want} elements this worker reads "
+                               f"of tensor {name!r}")
         return None
 
     def refuse(self, problem: Problem) -> None:
@@ -145,8 +187,11 @@ class Update:
             if self.failed is None:
                 self.failed = problem
             return problem
-        for s in header.slots:
-            self.covered[s.name] = max(self.covered.get(s.name, 0), s.start + s.nbytes)
+        for s in header.slots if self.mine(header) else ():
+            key = chunk_key(s)
+            if s.blocks is not None and key not in self.covered:
+                self.regions.setdefault(s.name, []).extend(s.blocks)
+            self.covered[key] = max(self.covered.get(key, 0), s.start + s.nbytes)
             if self.held is not None:
                 self.named.setdefault(s.name, TensorSpec(s.name, s.dtype, s.shape))
         self.headers[seq] = header
@@ -231,6 +276,10 @@ class Update:
                            f"{self.version}")
         if (why := self._rule(header, seq)) is not None:
             return Problem(Kind.HEADER, f"{where}: {why}")
+        if not self.mine(header):
+            return None
+        if (why := self._blocks_rule(header)) is not None:
+            return Problem(Kind.READS, f"{where}: {why}")
         specs = [TensorSpec(x.name, x.dtype, x.shape) for x in header.slots]
         strays = [f"tensor {x.name!r} ({x.dtype} {x.shape}) is not the plan's"
                   for x in specs if self.plan_tensors and self.plan_tensors.get(x.name) != x]
@@ -251,11 +300,48 @@ class Update:
             validate_header(header, seq, self.capacity)
         except ValueError as e:
             return clip(str(e))
-        for s in header.slots:
-            end = self.covered.get(s.name)
+        for s in header.slots if self.mine(header) else ():
+            end = self.covered.get(chunk_key(s))
             if end is not None and (s.start < end or not s.nbytes):
                 return (f"tensor {s.name!r} is named twice in update {self.version} (bytes "
                         f"[{s.start}, {s.start + s.nbytes}) of it came in an earlier bucket)")
+        return None
+
+
+    def _blocks_rule(self, header: BucketHeader) -> str | None:
+        """Which rule of blocks (`Slot.blocks`) header `header`, for this worker, breaks."""
+        for s in header.slots:
+            named = self.regions.get(s.name)
+            if s.blocks is None:
+                if named:
+                    return f"tensor {s.name!r} comes whole after blocks of it"
+                continue
+            if not self.opening:
+                return f"blocks of tensor {s.name!r} outside a plan's headers"
+            if (why := self._outside(s)) is not None:
+                return why
+            if s.start == 0 and any(overlaps(a, b) for a in s.blocks for b in named or ()):
+                return f"blocks of tensor {s.name!r} named twice"
+            if s.name in self.covered:
+                return f"blocks of tensor {s.name!r} after the whole of it"
+        return None
+
+    def _outside(self, s: Slot) -> str | None:
+        """Which block of `s` this worker does not read (None: it reads all of them)."""
+        read = (self.reads or {}).get(s.name)
+        if read is None:
+            return (f"blocks of tensor {s.name!r}, of which this worker published no read"
+                    if self.reads is not None else
+                    f"blocks of tensor {s.name!r}, and this worker published no read set")
+        if (read.dtype, read.shape) != (s.dtype, s.shape):
+            return (f"blocks of tensor {s.name!r} as {s.dtype}{s.shape}, which this worker "
+                    f"reads as {read.dtype}{read.shape}")
+        for b in s.blocks or ():
+            if not any(all(y0 <= x0 and x1 <= y1 for x0, x1, y0, y1
+                           in zip(b.start, b.stop, r.start, r.stop, strict=True))
+                       for r in read.blocks):
+                return (f"block {b.start}..{b.stop} of tensor {s.name!r} is not one this "
+                        "worker reads")
         return None
 
 

@@ -1,4 +1,5 @@
-"""Data plane: one broadcast per bucket, from a sender to every receiver, behind one interface.
+"""Data plane: one broadcast per bucket, from a sender to every receiver (or, point to point, to
+the receivers a bucket names), behind one interface.
 
 `Transport` is what every data plane offers and promises: its verbs (`broadcast`, `armed`,
 `extend`, `wait_stream`, `abort`, `close`; `export`/`mapped`/`keep_mapped` for memory read in
@@ -13,6 +14,7 @@ import abc
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -67,6 +69,9 @@ class Transport(abc.ABC):
     then caught instead of aborting the process); 0: it posts exactly `length` bytes."""
     peer_harm: ClassVar[str]
     """What a peer (a hostile or dying sender or receiver) can do to this process."""
+    reaches_some: ClassVar[bool] = False
+    """True (gloo, nccl): a bucket can go point to point to some receivers only (`broadcast`'s
+    `to`: shard to shard); the same-host planes share one pair of buffers among all receivers."""
     shares_buffers: ClassVar[bool] = False
     """True (same-host planes, `shared`): the sender's two bucket buffers are mapped by every
     receiver (`shared_buffers()`); the sender packs every bucket into them, receivers load from
@@ -102,8 +107,9 @@ class Transport(abc.ABC):
         """Build the process group of this rank on `store`."""
 
     @abc.abstractmethod
-    def _post(self, tensor: torch.Tensor, src: int) -> Handle:
-        """Post the broadcast of `tensor` from `src` (checked and counted by `broadcast`)."""
+    def _post(self, tensor: torch.Tensor, src: int, to: Collection[int] | None) -> Handle:
+        """Post the broadcast of `tensor` from `src` to every rank, or point to point to the
+        ranks `to` (checked and counted by `broadcast`)."""
 
     @abc.abstractmethod
     def _abort_group(self, pg: Any) -> None:
@@ -176,23 +182,28 @@ class Transport(abc.ABC):
         log.warning("aborting the %s transfer group (rank %d): %s", self.backend, self.rank, reason)
         self._abort_group(pg)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, length: int | None = None) -> Handle:
-        """Start broadcasting `tensor` (uint8 on `device`) from rank `src` to every other rank.
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, length: int | None = None,
+                  to: Collection[int] | None = None) -> Handle:
+        """Start broadcasting `tensor` (uint8 on `device`) from rank `src` to every other rank,
+        or, point to point, to the ranks `to` only (which alone call it, with the same `to`).
 
         `length`: the bytes announced (by default all of `tensor`), for the byte counters; a
         receiver may post more room than announced (`canary_bytes`). Every rank must wait on
         every handle it gets. Raises `RuntimeError` on a `broken` group, `ValueError` for a
-        tensor of another dtype or device.
+        tensor of another dtype or device, or a `to` on a plane that cannot reach some ranks.
         """
         if self.broken:
             raise RuntimeError(f"transfer group is broken ({self.broken}); join again")
+        if to is not None and not self.reaches_some:
+            raise ValueError(f"the {self.backend} plane sends every bucket to every receiver: "
+                             "it cannot send one to some of them (shard to shard)")
         if tensor.dtype != torch.uint8 or tensor.device != self.device:
             raise ValueError(
                 f"broadcast takes uint8 on {self.device}, got {tensor.dtype} on {tensor.device}"
             )
         self.bytes_moved += tensor.numel() if length is None else length
         self.collectives += 1
-        return self._post(tensor, src)
+        return self._post(tensor, src, to)
 
     def close(self) -> None:
         """Drop the group (a broken one included: the next join builds a new one)."""

@@ -1,7 +1,10 @@
 """The gloo data plane: CPU tensors, the sender sending each receiver its bytes point to point.
 
 gloo's own broadcast relays through a tree, and a relay forwards whatever size it posted; point
-to point, a receiver can post its whole buffer and gets exactly what was sent. Collectives time
+to point, a receiver can post its whole buffer and gets exactly what was sent (and a bucket for
+some receivers only goes to them alone: `reaches_some`). Each pair of ranks tags its transfers
+by their count between the two of them, so a receiver that joins only its own buckets stays in
+step with the sender. Collectives time
 out on their own (`timeout_s`), so there is no deadman; a peer whose transfer failed is `lost`
 and later broadcasts skip it, so a receiver that died does not stop the others from getting
 every bucket they agreed to.
@@ -10,6 +13,7 @@ every bucket they agreed to.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
@@ -55,6 +59,7 @@ class GlooTransport(Transport):
     backend = "gloo"
     digest_per_bucket = True
     canary_bytes = 8
+    reaches_some = True
     peer_harm = (
         "a broadcast longer than the receiver's whole bucket buffer aborts the receiving process "
         "inside gloo (EnforceNotMet ... op.preamble.length <= op.nbytes, exit -6), with no way "
@@ -66,6 +71,7 @@ class GlooTransport(Transport):
 
     def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
         self._timeout = timedelta(seconds=cfg.timeout_s)
+        self._tags: dict[int, int] = {}
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self._timeout
         # Each rank binds an address of its own host: the trainer its configured one, a
@@ -79,11 +85,17 @@ class GlooTransport(Transport):
         opts._devices = [device]
         return dist.ProcessGroupGloo(store, self.rank, cfg.world_size, opts)
 
-    def _post(self, tensor: torch.Tensor, src: int) -> Handle:
-        tag = self.collectives % (1 << 30)
+    def _tag(self, peer: int) -> int:
+        """The tag of the next transfer between this rank and `peer` (their count so far)."""
+        n = self._tags[peer] = self._tags.get(peer, 0) + 1
+        return n % (1 << 30)
+
+    def _post(self, tensor: torch.Tensor, src: int, to: Collection[int] | None) -> Handle:
         if self.rank != src:
-            return _Works({src: self.pg.recv([tensor], src, tag)}, self._timeout, self.lost)
-        return _Works({r: self.pg.send([tensor], r, tag) for r in range(self.world_size)
+            return _Works({src: self.pg.recv([tensor], src, self._tag(src))}, self._timeout,
+                          self.lost)
+        peers = range(self.world_size) if to is None else sorted(set(to))
+        return _Works({r: self.pg.send([tensor], r, self._tag(r)) for r in peers
                        if r != src and r not in self.lost}, self._timeout, self.lost)
 
     def _abort_group(self, pg: Any) -> None:

@@ -1,5 +1,8 @@
 """The NCCL data plane: CUDA tensors, one broadcast collective per bucket, with a deadman.
 
+A bucket for some receivers only (shard to shard) goes to each of them by NCCL send/recv on the
+same communicator, the sends of one bucket in one NCCL group.
+
 A collective whose peer died never completes. It must not be left to torch's watchdog, whose
 default error handling ends the whole process a minute after the group's timeout. So the group
 is built with the watchdog's error handling off and a group timeout far past this package's own,
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +55,7 @@ class NcclTransport(Transport):
     backend = "nccl"
     digest_per_bucket = False
     canary_bytes = 0
+    reaches_some = True
     peer_harm = (
         "a peer cannot crash this process; a dead peer leaves a collective pending until the "
         "deadman aborts the communicator (armed), after which the transport is broken")
@@ -83,12 +87,25 @@ class NcclTransport(Transport):
                   TORCH_NCCL_PROPAGATE_ERROR="0"):
             return dist.ProcessGroupNCCL(store, self.rank, cfg.world_size, opts)
 
-    def _post(self, tensor: torch.Tensor, src: int) -> Handle:
+    def _post(self, tensor: torch.Tensor, src: int, to: Collection[int] | None) -> Handle:
+        if to is not None:
+            return self._p2p(tensor, src, sorted(set(to) - {src}))
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = self._timeout
         return self.pg.broadcast([tensor], opts)
+
+    def _p2p(self, tensor: torch.Tensor, src: int, to: list[int]) -> Handle:
+        """`tensor` from `src` to each rank of `to`, point to point (a receiver: from `src`)."""
+        if self.rank != src:
+            return self.pg.recv([tensor], src, 0)
+        if len(to) == 1:
+            return self.pg.send([tensor], to[0], 0)
+        self.pg._start_coalescing(self.device)  # one NCCL group: the sends run together
+        for r in to:
+            self.pg.send([tensor], r, 0)
+        return self.pg._end_coalescing(self.device)
 
     def _abort_group(self, pg: Any) -> None:
         try:

@@ -31,6 +31,7 @@ import abc
 import mmap
 import os
 import time
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 import torch
@@ -269,7 +270,7 @@ class SharedTransport(Transport):
         raise ValueError(f"a {self.backend} plane broadcasts only from the start of its shared "
                          "buffers (shared_buffers())")
 
-    def _post(self, tensor: torch.Tensor, src: int) -> Handle:
+    def _post(self, tensor: torch.Tensor, src: int, to: Collection[int] | None) -> Handle:
         i, n = self._index(tensor), self._n
         self._n += 1
         self._last[i] = n

@@ -45,7 +45,7 @@ from vllm_nccl_sync.wire.packing import (
     as_bytes,
     pack,
     plan_buckets,
-    tensor_nbytes,
+    slot_total,
 )
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Digest, Slot, Source
 
@@ -53,13 +53,17 @@ from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Digest,
 class BucketLane:
     """One sender's buckets on `transport`: double-buffered, checksummed per bucket (`check`).
 
-    `digest(msg)` sends a bucket's `Digest` where the data plane wants one per bucket; each post
-    restarts the transport's deadman for `timeout_s`.
+    `digest(msg, to)` sends a bucket's `Digest` to the receivers it went to (`to`; None: all)
+    where the data plane wants one per bucket; each post restarts the transport's deadman for
+    `timeout_s`.
     """
 
     def __init__(self, transport: Transport, bucket_bytes: int, *, check: bool,
-                 timeout_s: float, digest: Callable[[Digest], None]) -> None:
+                 timeout_s: float, digest: Callable[[Digest, list[int] | None], None],
+                 offset: int = 0) -> None:
         self.transport = transport
+        self.offset = offset
+        """A receiver's rank minus its rank in this lane's group (a header's `to` names ranks)."""
         self.device = transport.device
         self.shared = transport.shares_buffers
         """The plane's buffers are what receivers read (same host): every bucket is packed."""
@@ -89,6 +93,10 @@ class BucketLane:
         """The tensor source's failure while a bucket was made (the bucket was still posted)."""
         self.sums: dict[int, Any] = {}
         self.posted = self.bytes = self.tensors = 0
+        self.to_all = 0
+        """Bytes of the buckets for every receiver."""
+        self.to_some: dict[int, int] = {}
+        """Per receiver rank: bytes of the buckets for some receivers that named it."""
         self.held: list[torch.Tensor] = []
         """Tensors receivers read where they lie in this update."""
         self._ahead = Tap()
@@ -217,7 +225,7 @@ class BucketLane:
             self.posted += 1
             if header.length:
                 try:
-                    self.works[i] = self.transport.broadcast(wire)
+                    self.works[i] = self.transport.broadcast(wire, to=self._to(header))
                 except RuntimeError as e:  # gloo: a receiver's connection is already gone
                     self.lost.append(PeerFailed(f"broadcast of bucket {header.seq} failed: "
                                                 f"{clip(str(e), 300)}", -1))
@@ -228,13 +236,29 @@ class BucketLane:
         digest = self.sums[header.seq]
         if self.transport.digest_per_bucket and header.length:
             try:
-                self._digest(Digest(PROTOCOL_VERSION, header.version, header.seq, digest))
+                self._digest(Digest(PROTOCOL_VERSION, header.version, header.seq, digest),
+                             header.to)
             except Exception as e:  # noqa: BLE001 - the next collectives are still owed
                 self.failure = self.failure or e
         self.transport.extend(self.timeout_s)  # progress: restart the deadman
         self.bytes += header.length
-        self.tensors += sum(s.start + s.nbytes == tensor_nbytes(s.dtype, s.shape)
-                            for s in header.slots)
+        self.tensors += sum(s.start + s.nbytes == slot_total(s) for s in header.slots)
+
+    def _to(self, header: BucketHeader) -> list[int] | None:
+        """The group ranks bucket `header` goes to (None: every receiver), counted."""
+        if header.to is None:
+            self.to_all += header.length
+            return None
+        for r in header.to:
+            self.to_some[r] = self.to_some.get(r, 0) + header.length
+        return [r - self.offset for r in header.to]
+
+    def per_receiver(self, ranks: Sequence[int]) -> dict[int, int]:
+        """The bytes each receiver of `ranks` was sent in this update ({} when every bucket
+        went to every receiver)."""
+        if not self.to_some:
+            return {}
+        return {r: self.to_all + self.to_some.get(r, 0) for r in ranks}
 
     def _beside(self, wire: torch.Tensor, i: int) -> Pending:
         """CUDA: the checksum on the side stream, after the pack, beside the collective."""

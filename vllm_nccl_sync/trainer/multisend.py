@@ -235,9 +235,9 @@ class PeerSender:
         self.channel.send(SenderHello(PROTOCOL_VERSION, self.rank, cfg.bucket_bytes,
                                       cfg.backend), cfg.timeout_s)
         self.transport = open_transport(cfg.group(self.rank), 0, self.device)
-        self.lane = BucketLane(self.transport, cfg.bucket_bytes,
+        self.lane = BucketLane(self.transport, cfg.bucket_bytes, offset=cfg.num_senders - 1,
                                check=cfg.bucket_checksums is not False, timeout_s=cfg.timeout_s,
-                               digest=lambda d: self.channel.send(d, cfg.timeout_s))
+                               digest=lambda d, _: self.channel.send(d, cfg.timeout_s))
         return {}
 
     def expect(self, kind: type, version: int, what: str, phase: int | None = None):

@@ -34,6 +34,7 @@ from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.multisend import Coordinator, PeerSender
 from vllm_nccl_sync.trainer.rounds import Rounds
 from vllm_nccl_sync.trainer.send import Buckets, Lead, Sender, Wire, send
+from vllm_nccl_sync.trainer.shards import read_sets, shard_buckets
 from vllm_nccl_sync.trainer.tensors import (
     Caster,
     Progress,
@@ -59,6 +60,7 @@ from vllm_nccl_sync.wire.protocol import (
     BucketHeader,
     Hello,
     Plan,
+    ReadSet,
     SenderHello,
     TensorSpec,
 )
@@ -88,7 +90,8 @@ class OneSender(Sender):
     def __init__(self, rounds: Rounds, lane: BucketLane, cfg: SyncConfig,
                  named_tensors: Mapping[str, torch.Tensor] | Iterable, version: int,
                  caster: Caster, *, force: bool, full: bool, staged: bool,
-                 adapter: AdapterSpec | None, window: int) -> None:
+                 adapter: AdapterSpec | None, window: int,
+                 reads: Mapping[int, ReadSet] | None = None) -> None:
         self.rounds, self.lane, self.cfg = rounds, lane, cfg
         self.verdict = Lead(rounds)
         self.armed_s = cfg.timeout_s
@@ -99,6 +102,8 @@ class OneSender(Sender):
         self.packer: StreamPacker | None = None
         self.planned: Iterator[tuple[Bucket, bool]] = iter(())
         self.in_place = False  # a state dict's tensors may be read where they lie (`lane.layout`)
+        self.reads = reads
+        """Every receiver's read set: a state dict goes shard to shard (`shards`)."""
         self.pending: deque[tuple[BucketHeader, Wire]] = deque()
         """Announced buckets not yet sent: header, and how to get the wire bytes."""
         self.failure: BaseException | None = None
@@ -112,6 +117,10 @@ class OneSender(Sender):
         if isinstance(named, Mapping):
             items = [(n, caster(n, t)) for n, t in without_aliases(named)]
             self.specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in items]
+            if self.reads is not None:
+                shards = shard_buckets(items, self.reads, cfg.bucket_bytes, alone)
+                self.planned = _with_last(shards)
+                return
             self.planned = _with_last(self.lane.layout(items, alone))
             self.in_place = True
         elif self.window > 1:  # holds the tensors of up to `window` announced buckets
@@ -201,6 +210,9 @@ class OneSender(Sender):
     def stop(self) -> tuple[int, str]:
         return self.lane.posted, f" at bucket {self.lane.posted}"
 
+    def per_receiver(self) -> dict[int, int]:
+        return self.lane.per_receiver(self.rounds.receivers)
+
     def out_of_step(self, e: BaseException) -> bool:
         """Past a collective: a receiver that said nothing or left, or a `Go` whose collectives
         were not all posted."""
@@ -227,6 +239,8 @@ class PushClient:
         self.device = device
         self.rank = rank
         self.hellos: dict[int, Hello] = {}
+        self.reads: dict[int, ReadSet] | None = None
+        """Shard to shard (`cfg.shard`): every receiver's read set, checked at `connect`."""
         self.peers: set[int] = set()
         """The other senders that joined (several senders only)."""
         self.transport: Transport | None = None
@@ -271,6 +285,8 @@ class PushClient:
                 self.hellos[rank] = msg
             else:
                 self.peers.add(rank)
+        if cfg.shard:
+            self.reads = read_sets(self.hellos)
         self.rounds = Rounds(self.channel, self.ranks, cfg.timeout_s, peers=sorted(self.peers),
                              early=early, extend=self.transport.extend)
         self.lane = BucketLane(self.transport, cfg.bucket_bytes,
@@ -367,10 +383,12 @@ class PushClient:
                                    staged=staged, balance=balance)
         caster = Caster(dtype, engine_dtype(self.hellos) if dtype is None else "")
         parts = (self.rounds, self.lane, self.cfg, named_tensors, version, caster)
+        reads = self.reads if adapter is None else None  # an adapter's tensors are whole
         sender: Sender = (
             Coordinator(*parts, force=force, full=full, staged=staged, balance=balance)
             if self.cfg.num_senders > 1 else
-            OneSender(*parts, force=force, full=full, staged=staged, adapter=adapter, window=window))
+            OneSender(*parts, force=force, full=full, staged=staged, adapter=adapter,
+                      window=window, reads=reads))
         result = send(sender, version, caster, staged=staged, progress=progress, verified=verified)
         caster.report(version)
         return result

@@ -95,6 +95,10 @@ class Sender(Protocol):
         """The bytes each sender rank sent, where this sender knows them ({} by default)."""
         return {}
 
+    def per_receiver(self) -> dict[int, int]:
+        """The bytes each receiver was sent, where buckets went to some only ({} by default)."""
+        return {}
+
 
 class Lead:
     """The verdict made here, in the control rounds with every receiver (and other senders)."""
@@ -145,7 +149,7 @@ def send(s: Sender, version: int, caster: Caster, *, staged: bool,
             raise
         raise err from e
     return PushResult(version, lane.posted, lane.bytes, lane.tensors, time.perf_counter() - t0,
-                      acks, s.per_sender(), dict(caster.cast))
+                      acks, s.per_sender(), s.per_receiver(), dict(caster.cast))
 
 
 def _failed(s: Sender, version: int, e: Exception) -> PushError:

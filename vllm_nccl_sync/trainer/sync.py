@@ -106,8 +106,9 @@ class WeightSync:
     """Trainer-side driver of `engines`, all fed by one broadcast per bucket.
 
     Args: `backend` (`gloo` or `nccl`), `bucket_bytes`, `timeout_s` (every wait), `host` (the
-    address this trainer binds), `secret` (hex HMAC key): as in `SyncConfig`, whose defaults they
-    take; `device`: this trainer's data-plane device.
+    address this trainer binds), `secret` (hex HMAC key), `shard` (each worker gets only what its
+    loaders read: shard to shard): as in `SyncConfig`, whose defaults they take; `device`: this
+    trainer's data-plane device.
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class WeightSync:
         timeout_s: float = _DEFAULT["timeout_s"],
         host: str = _DEFAULT["host"],
         secret: str = _DEFAULT["secret"],
+        shard: bool = _DEFAULT["shard"],
         device: torch.device | None = None,
     ) -> None:
         if not engines:
@@ -126,7 +128,8 @@ class WeightSync:
         self.engines = engines
         self.cfg = SyncConfig.build(host=host, world_size=1 + sum(e.workers for e in engines),
                                     backend=backend, bucket_bytes=bucket_bytes,
-                                    timeout_s=timeout_s, secret=secret, door="WeightSync")
+                                    timeout_s=timeout_s, secret=secret, shard=shard,
+                                    door="WeightSync")
         self.offsets = [1 + sum(e.workers for e in engines[:i]) for i in range(len(engines))]
         self.client = PushClient(self.cfg, device)
 

@@ -44,6 +44,9 @@ class PushResult:
     acks: list[Ack]
     per_sender: dict[int, int] = field(default_factory=dict)
     """Several senders, on the coordinator: the bytes each sender rank sent (`bytes`: its own)."""
+    per_receiver: dict[int, int] = field(default_factory=dict)
+    """Shard to shard: the bytes sent to each receiver rank ({}: every receiver got every
+    bucket, `bytes`)."""
     cast: dict[str, str] = field(default_factory=dict)
     """Dtypes this sender cast on the way (`{"bfloat16": "float32"}`: from -> to)."""
     live: list[dict[str, Any]] = field(default_factory=list)

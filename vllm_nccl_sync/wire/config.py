@@ -92,6 +92,10 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Several senders: `(host, group_port)` of the data-plane group of senders 1..M-1, each
     hosted by that sender (sender 0, the coordinator, is `host`/`group_port`). Receivers then
     start at rank M. Empty: one sender."""
+    shard: bool = False
+    """Shard to shard: each worker publishes its read set when it joins (what its loaders read
+    of every checkpoint tensor), and each push of a state dict sends every worker only that,
+    point to point (gloo, nccl; one sender)."""
 
     def __post_init__(self) -> None:
         for name, hint in _HINTS.items():
@@ -109,6 +113,10 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.backend in SAME_HOST and self.senders:
             raise ValueError(f"the {self.backend} plane takes one sender (its buffers are the "
                              "sender's memory); several senders need gloo or nccl")
+        if self.shard and (self.backend in SAME_HOST or self.senders):
+            raise ValueError("shard to shard runs on the gloo and nccl planes from one sender "
+                             f"(refused for now: backend={self.backend!r}, "
+                             f"{self.num_senders} sender(s))")
         if self.world_size < self.num_senders + 1:
             raise ValueError(f"world_size {self.world_size} must be >= {self.num_senders + 1} "
                              f"({self.num_senders} sender(s) and a receiver)")

@@ -8,17 +8,23 @@ A tensor larger than the bucket capacity is cut into chunks spread over consecut
 rows of its dim 0 when a row fits in a bucket (else whole elements). The receiver either hands
 whole-row chunks straight to a loader that can load rows in place (`RowLoader`), or reassembles
 the tensor first.
+
+Shard to shard, a slot may carry only some blocks of its tensor (`Slot.blocks`): the sender cuts
+them out (`Region`), and the receiver writes them into the tensor's shape where the worker's
+loaders read them (`Reassembler`, given the worker's read set); the rest of that tensor holds NaN
+(zeros for integers), which no loader of that worker reads.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-from vllm_nccl_sync.wire.protocol import BucketHeader, Slot, Source
+from vllm_nccl_sync.wire.protocol import Block, BucketHeader, Read, Slot, Source
 
 ALIGN = 64
 """Byte alignment of every slot's offset in a bucket."""
@@ -58,6 +64,69 @@ def tensor_nbytes(dtype: str, shape: list[int]) -> int:
     return 0 if 0 in shape else math.prod(shape) * DTYPES[dtype].itemsize
 
 
+def slot_total(s: Slot) -> int:
+    """Bytes the slot's `start`/`nbytes` index: its tensor's, or its blocks' (`Slot.blocks`)."""
+    if s.blocks is None:
+        return tensor_nbytes(s.dtype, s.shape)
+    return sum(b.numel() for b in s.blocks) * DTYPES[s.dtype].itemsize
+
+
+def overlaps(a: Block, b: Block) -> bool:
+    """Whether `a` and `b` share an element."""
+    return all(max(x0, y0) < min(x1, y1)
+               for x0, x1, y0, y1 in zip(a.start, a.stop, b.start, b.stop, strict=True))
+
+
+def blocks_problem(shape: list[int], blocks: list[Block]) -> str:
+    """What makes `blocks` no set of disjoint blocks of a tensor of `shape` ("" if nothing)."""
+    for b in blocks:
+        if not len(b.start) == len(b.stop) == len(shape):
+            return f"block {b.start}..{b.stop} has not the {len(shape)} dims of {shape}"
+        if not all(0 <= a <= z <= n for a, z, n in zip(b.start, b.stop, shape, strict=True)):
+            return f"block {b.start}..{b.stop} is outside the tensor's shape {shape}"
+    for i, a in enumerate(blocks):
+        for b in blocks[i + 1:]:
+            if overlaps(a, b):
+                return f"blocks {a.start}..{a.stop} and {b.start}..{b.stop} overlap"
+    return ""
+
+
+def block_index(b: Block, origin: list[int] | None = None) -> tuple[slice, ...]:
+    """`b` as an index of a tensor (`origin`: subtracted from its bounds first)."""
+    o = origin or [0] * len(b.start)
+    return tuple(slice(x - y, z - y) for x, z, y in zip(b.start, b.stop, o, strict=True))
+
+
+class Region:
+    """Some blocks of a tensor as one flat run of elements, as a slot with `blocks` carries them:
+    cut into buckets like a 1-d tensor (`cut`), its elements copied out when first packed."""
+
+    def __init__(self, tensor: torch.Tensor, blocks: list[Block]) -> None:
+        self.tensor, self.blocks = tensor, blocks
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.shape = [sum(b.numel() for b in blocks)]
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return self.tensor.element_size()
+
+    def detach(self) -> Region:
+        return self
+
+    def reshape(self, *_: int) -> Region:
+        return self
+
+    @cached_property
+    def bytes(self) -> torch.Tensor:
+        """The blocks' elements, one block after the other, as flat bytes."""
+        parts = [self.tensor[block_index(b)].reshape(-1) for b in self.blocks]
+        flat = torch.cat(parts) if parts else self.tensor.new_empty(0)
+        return flat.view(torch.uint8)
+
+
 def _numel_exceeds(shape: list[int], limit: int) -> bool:
     """Whether the product of `shape` (non-negative) exceeds `limit`; never builds a huge int."""
     if 0 in shape:
@@ -81,6 +150,8 @@ class Bucket:
 
     slots: list[Slot] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
+    to: list[int] | None = None
+    """The receivers it goes to (`BucketHeader.to`; None: every receiver)."""
 
     @property
     def length(self) -> int:
@@ -97,7 +168,7 @@ class Bucket:
         at: list[Source] | None = None,
     ) -> BucketHeader:
         return BucketHeader(protocol, version, seq, self.length, is_last, self.slots, force, staged,
-                            at=at)
+                            at=at, to=self.to)
 
     def moving(self) -> tuple[Slot, torch.Tensor] | None:
         """The bucket's one moving slot and its flat source when that slot is the whole bucket
@@ -231,8 +302,10 @@ class StreamPacker:
 _END = object()
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor | Region) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes (copied first if not contiguous)."""
+    if isinstance(t, Region):
+        return t.bytes
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -286,7 +359,9 @@ def _check_slot(s: Slot, end: int, length: int) -> int:
     itemsize = DTYPES[s.dtype].itemsize
     if _numel_exceeds(s.shape, _MAX_INT64 // itemsize):
         raise ValueError(f"tensor {s.name!r}: shape too large for a tensor")
-    total = tensor_nbytes(s.dtype, s.shape)
+    if s.blocks is not None and (why := blocks_problem(s.shape, s.blocks)):
+        raise ValueError(f"tensor {s.name!r}: {why}")
+    total = slot_total(s)
     if s.offset < end:
         raise ValueError(f"tensor {s.name!r}: offset {s.offset} overlaps the previous slot")
     if s.offset % ALIGN:
@@ -299,6 +374,8 @@ def _check_slot(s: Slot, end: int, length: int) -> int:
         )
     if s.nbytes == 0 and total != 0:
         raise ValueError(f"tensor {s.name!r}: empty chunk of a non-empty tensor")
+    if s.blocks is not None and not total:
+        raise ValueError(f"tensor {s.name!r}: a slot of blocks holding no element")
     end = s.offset + s.nbytes
     if end > length:
         raise ValueError(f"tensor {s.name!r}: bytes end at {end}, past the bucket length {length}")
@@ -311,19 +388,44 @@ RowLoader = Callable[[str, torch.Tensor, int, list[int]], bool]
 this tensor cannot be loaded piecewise, so it is reassembled instead."""
 
 
+def chunk_key(s: Slot) -> str | tuple:
+    """What a chunked slot's chunks have in common: its tensor, and its blocks if it has them."""
+    if s.blocks is None:
+        return s.name
+    return s.name, tuple((tuple(b.start), tuple(b.stop)) for b in s.blocks)
+
+
+def _blank(s: Slot, device: torch.device) -> torch.Tensor:
+    """A tensor of `s`'s dtype and shape that blocks are written into: NaN where it is floating
+    point (zeros else), so that an element no block wrote shows rather than passes."""
+    dtype = DTYPES[s.dtype]
+    fill = float("nan") if dtype.is_floating_point else 0
+    try:
+        return torch.full(s.shape, fill, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as e:  # includes torch.OutOfMemoryError
+        raise ValueError(f"tensor {s.name!r}: cannot allocate its shape {s.shape} to write "
+                         f"its blocks into: {e}") from None
+
+
 class Reassembler:
     """Turns received buckets back into whole named tensors (views of the buffer when possible).
 
     A tensor split over buckets goes, chunk by chunk, straight to `load_rows` when its chunks are
     whole rows and the loader takes them (no staging copy: a receiver's extra memory stays at its
     two buffers); otherwise it is copied into a staging tensor until its last chunk arrives.
-    Chunks must arrive in order. Call `finish()` at the end to catch tensors left incomplete.
+    Chunks must arrive in order. Blocks of a tensor (`Slot.blocks`) are written into a tensor of
+    its shape, handed on once every element this worker reads of it (`reads`) arrived. Call
+    `finish()` at the end to catch tensors left incomplete.
     """
 
-    def __init__(self, load_rows: RowLoader | None = None) -> None:
-        self._partial: dict[str, tuple[Slot, torch.Tensor, int]] = {}
+    def __init__(self, load_rows: RowLoader | None = None,
+                 reads: Mapping[str, Read] | None = None) -> None:
+        self._partial: dict[str | tuple, tuple[Slot, torch.Tensor, int]] = {}
         self._load_rows = load_rows
         self._direct: dict[str, tuple[Slot, int]] = {}  # tensors loaded by rows: bytes so far
+        self._reads = reads or {}
+        self._written: dict[str, tuple[torch.Tensor, int]] = {}
+        """Tensors whose blocks are arriving: the tensor, and the elements written so far."""
         self.loaded_by_rows = 0
         """Tensors completed through `load_rows` (they are not in `unpack`'s result)."""
 
@@ -360,43 +462,78 @@ class Reassembler:
         `buf`: the bucket's bytes, or one flat tensor per slot (a bucket read where it lies)."""
         out: list[tuple[str, torch.Tensor]] = []
         for i, s in enumerate(header.slots):
-            dtype = DTYPES[s.dtype]
-            total = tensor_nbytes(s.dtype, s.shape)
             data = buf[i] if isinstance(buf, list) else buf[s.offset : s.offset + s.nbytes]
-            if s.start == 0 and s.nbytes == total:
-                if s.name in self._partial or s.name in self._direct:
-                    raise ValueError(f"tensor {s.name!r}: sent whole while chunks are pending")
-                out.append((s.name, data.view(dtype).view(s.shape)))
+            if s.start == 0 and s.nbytes == slot_total(s):
+                self._whole(s, data, out)
+            elif s.blocks is None and self._load_rows is not None and \
+                    self._rows(s, data, tensor_nbytes(s.dtype, s.shape)):
                 continue
-            if self._load_rows is not None and self._rows(s, data, total):
-                continue
-            if s.name in self._direct:
+            elif s.name in self._direct:
                 raise ValueError(f"tensor {s.name!r}: a chunk of rows that is not whole rows")
-            first, staging, got = self._partial.get(s.name, (s, None, 0))
-            if staging is None:
-                if s.start != 0:
-                    raise ValueError(f"tensor {s.name!r}: chunk at byte {s.start} before byte 0")
-                try:
-                    staging = torch.empty(total, dtype=torch.uint8, device=data.device)
-                except (RuntimeError, MemoryError) as e:  # includes torch.OutOfMemoryError
-                    msg = f"tensor {s.name!r}: cannot allocate {total} bytes to reassemble it: {e}"
-                    raise ValueError(msg) from None
-            elif s.start != got or s.dtype != first.dtype or s.shape != first.shape:
-                raise ValueError(
-                    f"tensor {s.name!r}: chunk at byte {s.start} out of order (expected {got})"
-                    " or with another dtype/shape"
-                )
-            staging[s.start : s.start + s.nbytes].copy_(data, non_blocking=True)
-            got += s.nbytes
-            if got == total:
-                del self._partial[s.name]
-                out.append((s.name, staging.view(dtype).view(s.shape)))
-            else:
-                self._partial[s.name] = (first, staging, got)
+            elif (staged := self._chunk(s, data)) is not None:
+                self._whole(s, staged, out)
         return out
+
+    def _whole(self, s: Slot, data: torch.Tensor, out: list[tuple[str, torch.Tensor]]) -> None:
+        """All of slot `s`'s bytes (`data`), as a tensor to load or blocks to write."""
+        if s.blocks is not None:
+            self._write(s, data, out)
+            return
+        if data.numel() == s.nbytes and s.start == 0 and \
+                (s.name in self._partial or s.name in self._direct):
+            raise ValueError(f"tensor {s.name!r}: sent whole while chunks are pending")
+        out.append((s.name, data.view(DTYPES[s.dtype]).view(s.shape)))
+
+    def _chunk(self, s: Slot, data: torch.Tensor) -> torch.Tensor | None:
+        """Chunk `s` copied into its staging tensor; the staging tensor once it is complete."""
+        key, total = chunk_key(s), slot_total(s)
+        first, staging, got = self._partial.get(key, (s, None, 0))
+        if staging is None:
+            if s.start != 0:
+                raise ValueError(f"tensor {s.name!r}: chunk at byte {s.start} before byte 0")
+            try:
+                staging = torch.empty(total, dtype=torch.uint8, device=data.device)
+            except (RuntimeError, MemoryError) as e:  # includes torch.OutOfMemoryError
+                msg = f"tensor {s.name!r}: cannot allocate {total} bytes to reassemble it: {e}"
+                raise ValueError(msg) from None
+        elif s.start != got or s.dtype != first.dtype or s.shape != first.shape:
+            raise ValueError(
+                f"tensor {s.name!r}: chunk at byte {s.start} out of order (expected {got})"
+                " or with another dtype/shape"
+            )
+        staging[s.start : s.start + s.nbytes].copy_(data, non_blocking=True)
+        got += s.nbytes
+        if got < total:
+            self._partial[key] = (first, staging, got)
+            return None
+        del self._partial[key]
+        return staging
+
+    def _write(self, s: Slot, data: torch.Tensor, out: list[tuple[str, torch.Tensor]]) -> None:
+        """Write the blocks `s` carries (`data`: all their bytes) into their tensor; hand it on
+        once every element this worker reads of it is written."""
+        want = self._reads.get(s.name)
+        if want is None:
+            raise ValueError(f"tensor {s.name!r}: blocks of it arrived, and this worker "
+                             "published no read of it")
+        dtype = DTYPES[s.dtype]
+        tensor, got = self._written.get(s.name) or (_blank(s, data.device), 0)
+        off = 0
+        for b in s.blocks or []:
+            n = b.numel()
+            size = [z - a for a, z in zip(b.start, b.stop, strict=True)]
+            part = data[off * dtype.itemsize : (off + n) * dtype.itemsize]
+            tensor[block_index(b)].copy_(part.view(dtype).view(size))
+            off, got = off + n, got + n
+        if got < want.numel():
+            self._written[s.name] = (tensor, got)
+            return
+        self._written.pop(s.name, None)
+        out.append((s.name, tensor))
 
     def finish(self) -> None:
         """Raise if a chunked tensor is still incomplete at the end of an update."""
-        if self._partial or self._direct:
-            names = ", ".join(sorted([*self._partial, *self._direct]))
+        if self._partial or self._direct or self._written:
+            names = ", ".join(sorted({str(k if isinstance(k, str) else k[0])
+                                      for k in [*self._partial, *self._direct, *self._written]}))
             raise ValueError(f"update ended with incomplete tensors: {names}")

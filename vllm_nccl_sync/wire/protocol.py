@@ -41,15 +41,17 @@ after its last one, and ends with the coordinator's `Commit` or `Abort`. One sen
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
 
 from vllm_nccl_sync.outcomes import ProtocolError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped on every incompatible change of these messages or of the checksums they carry
-(5: the CPU bucket checksum sums rows of 512 bytes; 6: `Hello` carries the engine's `dtype`, and
+(9: a worker's `Hello` may carry its read set, a slot may carry blocks of its tensor, a header
+may name the receivers it is for; 5: the CPU bucket checksum sums rows of 512 bytes; 6: `Hello` carries the engine's `dtype`, and
 the decoder enforces the bounds below; 7: a bucket may be read in place from the sender's
 exported memory (`BucketHeader.at`), and the CUDA checksum reads the bytes once; 8: such a
 bucket gathers its slots from where each lies, one `Source` per slot, and its checksum is
@@ -99,11 +101,53 @@ Shape = Annotated[list[Dim], msgspec.Meta(max_length=MAX_DIMS)]
 Checksums = Annotated[list[Checksum], msgspec.Meta(max_length=MAX_BUCKETS)]
 
 
+MAX_BLOCKS = 64
+"""Blocks of one tensor one worker reads (a fused checkpoint tensor: one per part it holds)."""
+MAX_WHY_CHARS = 1024
+
+
+class Block(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Elements `[start[d], stop[d])` of every dimension `d` of a tensor."""
+
+    start: Shape
+    stop: Shape
+
+    def numel(self) -> int:
+        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+
+Blocks = Annotated[list[Block], msgspec.Meta(max_length=MAX_BLOCKS)]
+
+
+class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one worker reads of one checkpoint tensor of `dtype` and `shape`: `blocks` (none:
+    nothing). `why` is set when the read is the whole tensor because the worker's loader could
+    not be followed (a computing loader, a refused replay): then `blocks` is the whole tensor."""
+
+    dtype: Word
+    shape: Shape
+    blocks: Blocks
+    why: Annotated[str, msgspec.Meta(max_length=MAX_WHY_CHARS)] = ""
+
+    def numel(self) -> int:
+        """Elements of the tensor this worker reads."""
+        return sum(b.numel() for b in self.blocks)
+
+
+class ReadSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One worker's reads (`worker`: its rank inside its engine replica), by checkpoint name."""
+
+    worker: Count
+    tensors: Annotated[dict[Name, Read], msgspec.Meta(max_length=MAX_TENSORS)]
+
+
 class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One tensor (or one chunk of a tensor larger than a bucket) inside a bucket.
 
     `offset`/`nbytes` locate the bytes in the bucket; `start` is the byte offset of these bytes in
-    the full tensor (0 unless the tensor is split over several buckets).
+    the full tensor (0 unless the tensor is split over several buckets). With `blocks`, the slot
+    carries only these blocks of the tensor (of `shape`), each in row-major order, one after the
+    other: `start` and `nbytes` then index that concatenation (shard to shard).
     """
 
     name: Name
@@ -112,6 +156,7 @@ class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offset: Count
     nbytes: Count
     start: Count = 0
+    blocks: Blocks | None = None
 
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -154,6 +199,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     dtype: Word = ""
     """The dtype the engine holds its floating-point weights in ("": not known); the trainer
     casts to it where the cast is faithful."""
+    reads: ReadSet | None = None
+    """What this worker's loaders read of each checkpoint tensor (`wire.reads`; None: not
+    published): the trainer then sends it only that (shard to shard)."""
 
 
 class Source(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -184,6 +232,9 @@ class BucketHeader(msgspec.Struct, tag="bucket", frozen=True, forbid_unknown_fie
     """Set on a plane whose receivers map the sender's memory (`ipc`): slot i's `nbytes` lie at
     `at[i]` and are read there, nothing is broadcast or packed (one copy per byte). `length`
     and the slots' offsets are still the packed layout's, so every size is agreed alike."""
+    to: Annotated[list[Count], msgspec.Meta(max_length=MAX_TENSORS)] | None = None
+    """The receivers (ranks) this bucket goes to, point to point; None: every receiver. A
+    receiver joins the collectives of its own buckets only (shard to shard)."""
 
 
 class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):

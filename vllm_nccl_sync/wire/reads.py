@@ -11,61 +11,30 @@ worker's reads could not be derived for is read whole, and `Read.why` says why.
 
 `problems` checks the read sets of the workers of one engine replica together: each block
 inside its tensor, the blocks of one worker disjoint, and every element of every tensor read by
-some worker. Nothing sends or uses read sets yet: an update still broadcasts every full tensor.
+some worker. The structs themselves are the wire's (`protocol`): a worker's `Hello` carries its
+read set, and a trainer that holds every worker's plans shard to shard (`trainer.shards`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Annotated
-
-import msgspec
 
 from vllm_nccl_sync.outcomes import Kind, Problem, clip
-from vllm_nccl_sync.wire.packing import DTYPES, tensor_nbytes
-from vllm_nccl_sync.wire.protocol import MAX_TENSORS, Count, Name, Shape, Word
+from vllm_nccl_sync.wire.packing import DTYPES, overlaps, tensor_nbytes
+from vllm_nccl_sync.wire.protocol import MAX_BLOCKS, MAX_WHY_CHARS, Block, Read, ReadSet
 
-MAX_BLOCKS = 64
-"""Blocks of one tensor one worker reads (a fused checkpoint tensor: one per part it holds)."""
-MAX_WHY_CHARS = 1024
+__all__ = ["MAX_BLOCKS", "Block", "Read", "ReadSet", "nbytes", "overlaps", "problems", "whole"]
+
 MAX_CELLS = 1 << 20
 """Cells of the grid the coverage check walks for one tensor (blocks' bounds per dimension)."""
 
 
-class Block(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Elements `[start[d], stop[d])` of every dimension `d` of a tensor."""
-
-    start: Shape
-    stop: Shape
-
-    def numel(self) -> int:
-        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
-
-
-class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one worker reads of one checkpoint tensor of `dtype` and `shape`: `blocks` (none:
-    nothing). `why` is set when the read is the whole tensor because the worker's loader could
-    not be followed (a computing loader, a refused replay): then `blocks` is the whole tensor."""
-
-    dtype: Word
-    shape: Shape
-    blocks: Annotated[list[Block], msgspec.Meta(max_length=MAX_BLOCKS)]
-    why: Annotated[str, msgspec.Meta(max_length=MAX_WHY_CHARS)] = ""
-
-    def nbytes(self) -> int:
-        """Bytes of the tensor this worker reads."""
-        return sum(b.numel() for b in self.blocks) * DTYPES[self.dtype].itemsize
-
-
-class ReadSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One worker's reads (`worker`: its rank inside its engine replica), by checkpoint name."""
-
-    worker: Count
-    tensors: Annotated[dict[Name, Read], msgspec.Meta(max_length=MAX_TENSORS)]
-
-    def nbytes(self) -> int:
-        return sum(r.nbytes() for r in self.tensors.values())
+def nbytes(x: Read | ReadSet) -> int:
+    """Bytes one worker reads: of one tensor (a `Read`) or of all of them (a `ReadSet`)."""
+    if isinstance(x, ReadSet):
+        return sum(nbytes(r) for r in x.tensors.values())
+    return x.numel() * DTYPES[x.dtype].itemsize if x.dtype in DTYPES else 0
 
 
 def whole(dtype: str, shape: list[int], why: str = "") -> Read:
@@ -86,12 +55,6 @@ def _read_problem(r: Read) -> str:
     if r.why and r.blocks != whole(r.dtype, r.shape).blocks:
         return f"read whole ({r.why}) but its blocks are not the whole tensor"
     return ""
-
-
-def overlaps(a: Block, b: Block) -> bool:
-    """Whether `a` and `b` share an element."""
-    return all(max(x0, y0) < min(x1, y1)
-               for x0, x1, y0, y1 in zip(a.start, a.stop, b.start, b.stop, strict=True))
 
 
 def _unread(shape: list[int], blocks: list[Block]) -> list[int] | None:

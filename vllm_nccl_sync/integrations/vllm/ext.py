@@ -86,9 +86,11 @@ class Ext:
         import msgspec
 
         from vllm_nccl_sync.integrations.vllm.reads import read_set_of
+        from vllm_nccl_sync.integrations.vllm.worker import reference
 
         try:
-            return {"read_set": msgspec.to_builtins(read_set_of(self)), "error": ""}
+            read_set = read_set_of(self, reference(self.vllm_config))
+            return {"read_set": msgspec.to_builtins(read_set), "error": ""}
         except Exception as e:  # noqa: BLE001 - reported, never raised into the engine
             return {"read_set": None, "error": f"{type(e).__name__}: {e}"}
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
 from vllm_nccl_sync.wire.packing import DTYPES
 from vllm_nccl_sync.wire.reads import MAX_BLOCKS, Block, Read, ReadSet, overlaps, whole
@@ -157,15 +158,14 @@ def _rehearsed(loader: Any, tensors: dict[str, tuple[str, list[int]]]) -> dict[s
     return out
 
 
-def read_set_of(worker: Any) -> ReadSet:
-    """`worker`'s read set, computed once per model object; ValueError without a local
-    checkpoint to name the tensors, or for a model that cannot be updated in place."""
+def read_set_of(worker: Any, ref: Reference | None) -> ReadSet:
+    """`worker`'s read set of checkpoint `ref` (its `worker.reference`), computed once per
+    model object; ValueError without a local checkpoint (`ref` None) to name the tensors, or
+    for a model that cannot be updated in place."""
     from vllm_nccl_sync.integrations.vllm.loader import VllmWeightLoader
-    from vllm_nccl_sync.integrations.vllm.worker import reference
 
     model = worker.model_runner.model
     if model not in _held:
-        ref = reference(worker.vllm_config)
         if ref is None:
             raise ValueError("no local safetensors checkpoint: its tensors are unknown here")
         rank = int(worker.vllm_config.parallel_config.rank)

@@ -18,6 +18,7 @@ import torch
 from vllm_nccl_sync.engine.handshake import Reference, checkpoint_reference
 from vllm_nccl_sync.engine.session import EngineSession, Placement
 from vllm_nccl_sync.integrations.vllm.checksums import VllmLayout
+from vllm_nccl_sync.integrations.vllm.reads import read_set_of
 from vllm_nccl_sync.planes.rendezvous import local_address
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import dtype_name
@@ -114,5 +115,6 @@ def join(session: EngineSession, cfg: SyncConfig, rank_offset: int, worker: Any,
     vc = worker.vllm_config
     where = replace(worker_rank(vc.parallel_config, rank_offset),
                     details={"host": local_address(cfg.host)})
-    return session.join(cfg, where, made, reference=reference(vc),
-                        dtype=dtype_name(vc.model_config.dtype), device=torch.device(worker.device))
+    ref = reference(vc)
+    return session.join(cfg, where, made, reference=ref, dtype=dtype_name(vc.model_config.dtype),
+                        device=torch.device(worker.device), reads=lambda: read_set_of(worker, ref))

@@ -1,0 +1,266 @@
+"""Shard to shard over real ZeroMQ sockets and a real gloo group, without vLLM: a trainer and the
+workers of a TP=2 engine plus a TP=1 engine, each worker publishing a read set of its own.
+
+What each worker was given shows which bytes reached it: the elements it reads hold the
+trainer's values, every other element NaN (`packing.Reassembler`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+from tests.procs import record_broadcasts, run_procs
+from vllm_nccl_sync import PushClient, PushError, SyncConfig, UpdateRefused
+from vllm_nccl_sync.engine.receiver import Receiver
+from vllm_nccl_sync.wire.packing import ALIGN, dtype_name
+from vllm_nccl_sync.wire.protocol import Block, Read, ReadSet
+from vllm_nccl_sync.wire.reads import nbytes, whole
+
+pytestmark = pytest.mark.multiproc
+DEADLINE = 120
+H = 64  # rows of the column-parallel weight, columns of the row-parallel one
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "qkv.weight": torch.randn(H, 48, generator=g).to(torch.bfloat16),  # rows split
+        "o.weight": torch.randn(40, H, generator=g),  # columns split
+        "norm.weight": torch.randn(48, generator=g),  # read whole by every worker
+        "embed.weight": torch.randn(300, 32, generator=g).to(torch.bfloat16),  # > one bucket
+    }
+
+
+def read_set(worker: int, tp: int) -> ReadSet:
+    """What worker `worker` of a TP=`tp` engine reads: rows, columns, the norm whole."""
+    out = {}
+    for name, t in tensors(0).items():
+        dt, shape = dtype_name(t.dtype), list(t.shape)
+        if tp == 1 or name == "norm.weight":
+            out[name] = whole(dt, shape)
+            continue
+        n = shape[1] if name == "o.weight" else shape[0]
+        lo, hi = worker * n // tp, (worker + 1) * n // tp
+        block = (Block([0, lo], [shape[0], hi]) if name == "o.weight"
+                 else Block([lo, 0], [hi, shape[1]]))
+        out[name] = Read(dt, shape, [block])
+    return ReadSet(worker, out)
+
+
+READS = {1: read_set(0, 2), 2: read_set(1, 2), 3: read_set(0, 1)}
+PLACES = {1: (0, 0, 2), 2: (0, 1, 2), 3: (1, 0, 1)}  # rank: replica, tp_rank, tp_size
+
+
+class Keep:
+    """A loader that keeps a copy of every tensor it is given."""
+
+    def __init__(self) -> None:
+        self.got: dict = {}
+
+    def begin(self) -> None:
+        pass
+
+    def load(self, named):
+        for n, t in named:
+            self.got[n] = t.float().numpy().copy()  # by value across processes
+        return {n for n, _ in named}
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def make_cfg() -> dict:
+    return dict(control_port=free_port(), group_port=free_port(), world_size=4,
+                bucket_bytes=8 * 1024, timeout_s=30.0, shard=True)
+
+
+def trainer(cfg: dict, versions: list[int], swap: bool) -> dict:
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    out: dict = {"pushes": []}
+    if swap:  # plan rank 1's buckets from rank 2's read set and the other way round
+        assert client.reads is not None
+        client.reads[1], client.reads[2] = client.reads[2], client.reads[1]
+        try:
+            client.push(tensors(1), 1)
+        except UpdateRefused as e:
+            out["refused"] = str(e)
+        client.reads[1], client.reads[2] = client.reads[2], client.reads[1]
+    for v in versions:
+        r = client.push(tensors(v), v)
+        out["pushes"].append({"bytes": r.bytes, "per_receiver": r.per_receiver,
+                              "buckets": r.buckets})
+    client.close()
+    return out
+
+
+def worker(cfg: dict, rank: int, updates: int) -> dict:
+    sizes = record_broadcasts()  # what this worker's data plane received, bucket by bucket
+    replica, tp_rank, tp_size = PLACES[rank]
+    rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
+                  reads=READS[rank])
+    out = []
+    for _ in range(updates):
+        keep = Keep()
+        s = rx.run(keep, timeout_s=60)
+        out.append({"ok": s.ok, "error": s.error, "bytes": s.bytes, "got": keep.got,
+                    "moved": sum(sizes)})
+        sizes.clear()
+    rx.close()
+    return {"updates": out}
+
+
+def _reads_exactly(got, sent: torch.Tensor, read: Read) -> bool:
+    """`got` holds `sent` on `read`'s blocks and NaN everywhere else."""
+    got, sent = torch.from_numpy(got), sent.float()
+    mask = torch.zeros(sent.shape, dtype=torch.bool)
+    for b in read.blocks:
+        mask[tuple(slice(a, z) for a, z in zip(b.start, b.stop))] = True
+    return torch.equal(got[mask], sent[mask]) and bool(got[~mask].isnan().all())
+
+
+def test_each_worker_receives_exactly_its_read_set():
+    cfg = make_cfg()
+    versions = [1, 2]
+    sender, *workers = run_procs(
+        [(trainer, (cfg, versions, False))]
+        + [(worker, (cfg, r, len(versions))) for r in (1, 2, 3)], DEADLINE)
+    for i, v in enumerate(versions):
+        sent, push = tensors(v), sender["pushes"][i]
+        for rank, w in zip((1, 2, 3), workers):
+            u = w["updates"][i]
+            assert u["ok"], u["error"]
+            assert set(u["got"]) == set(sent)
+            for name, t in sent.items():
+                assert _reads_exactly(u["got"][name], t, READS[rank].tensors[name]), (rank, name)
+            # Counted at the data plane: what the trainer planned for this worker, which is its
+            # read set plus at most one alignment pad per slot and bucket.
+            assert u["moved"] == u["bytes"] == push["per_receiver"][rank]
+            assert nbytes(READS[rank]) <= u["moved"] < nbytes(READS[rank]) + ALIGN * 3 * len(sent)
+        model = sum(t.numel() * t.element_size() for t in sent.values())
+        tp2 = push["per_receiver"][1] + push["per_receiver"][2]
+        assert tp2 < 1.2 * model  # the TP=2 engine takes the model about once, not twice
+        assert push["per_receiver"][3] >= model
+
+
+def test_a_plan_that_sends_a_worker_blocks_it_does_not_read_is_refused_before_any_byte():
+    cfg = make_cfg()
+    sender, *workers = run_procs(
+        [(trainer, (cfg, [2], True))] + [(worker, (cfg, r, 2)) for r in (1, 2, 3)], DEADLINE)
+    assert "is not one this worker reads" in sender["refused"]
+    for w in workers:
+        refused, after = w["updates"]
+        assert not refused["ok"] and refused["moved"] == 0 and not refused["got"]
+        assert after["ok"], after["error"]  # the next push, planned right, lands
+
+
+def bad_worker(cfg: dict, rank: int, done) -> None:
+    replica, tp_rank, tp_size = PLACES[rank]
+    reads = READS[rank]
+    if rank == 2:  # claims two blocks of its rows that overlap
+        q = reads.tensors["qkv.weight"]
+        reads.tensors["qkv.weight"] = Read(q.dtype, q.shape, [Block([H // 2, 0], [H, 48]),
+                                                              Block([H - 4, 0], [H, 48])])
+    rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
+                  reads=reads)
+    assert done.wait(DEADLINE)  # the trainer has read every Hello
+    rx.close()
+
+
+def hostile_trainer(cfg: dict, done) -> str:
+    client = PushClient(SyncConfig(**cfg))
+    try:
+        client.connect()
+    except PushError as e:
+        return str(e)
+    finally:
+        done.set()
+        client.close()
+    return ""
+
+
+def test_a_hostile_read_set_is_refused_at_join_naming_it():
+    import multiprocessing as mp
+
+    cfg, done = make_cfg(), mp.get_context("spawn").Event()
+    said, *_ = run_procs([(hostile_trainer, (cfg, done))]
+                         + [(bad_worker, (cfg, r, done)) for r in (1, 2, 3)], DEADLINE)
+    assert "replica 0" in said and "'qkv.weight'" in said and "overlap" in said, said
+
+
+def dying_trainer(cfg: dict, staged: bool) -> None:
+    """Pushes version 1, then dies (SIGKILL) once the third bucket of version 2 went out."""
+    import os
+    import signal
+
+    from vllm_nccl_sync.planes.base import Transport
+
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    client.push(tensors(1), 1, staged=staged)
+    real, calls = Transport.broadcast, []
+
+    def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
+        handle = real(self, tensor, src, length=length, to=to)
+        calls.append(1)
+        if len(calls) == 3:
+            handle.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+
+    Transport.broadcast = broadcast_then_die
+    client.push(tensors(2), 2, staged=staged)
+
+
+def second_trainer(cfg: dict) -> int:
+    """A new trainer after the first died: every worker joins it again; a full update."""
+    client = PushClient(SyncConfig(**cfg))
+    client.connect()
+    result = client.push(tensors(3), 3, full=True)
+    client.close()
+    return result.version
+
+
+def rejoining_worker(cfgs: tuple[dict, dict], rank: int) -> dict:
+    """Takes version 1, sees the trainer die during version 2, joins the new trainer with the
+    state it holds and takes version 3."""
+    from vllm_nccl_sync.engine.state import ReceiverState
+
+    replica, tp_rank, tp_size = PLACES[rank]
+    state, out = ReceiverState(), []
+    for cfg, updates in zip(cfgs, (2, 1)):
+        rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
+                      reads=READS[rank], state=state)
+        for _ in range(updates):
+            keep = Keep()
+            s = rx.run(keep, timeout_s=60)
+            out.append({"ok": s.ok, "consistent": s.consistent, "version": s.version,
+                        "got": keep.got, "error": s.error})
+        rx.close()
+    return {"updates": out}
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_trainer_killed_mid_update_is_reported_and_a_rejoin_restores(staged):
+    first = {**make_cfg(), "timeout_s": 10.0}
+    second = make_cfg()
+    _, again, *workers = run_procs(
+        [(dying_trainer, (first, staged)), (second_trainer, (second,))]
+        + [(rejoining_worker, ((first, second), r)) for r in (1, 2, 3)], DEADLINE,
+        allow_killed={0})
+    assert again == 3
+    for rank, w in zip((1, 2, 3), workers):
+        one, broken, three = w["updates"]
+        assert one["ok"] and one["version"] == 1, one["error"]
+        assert not broken["ok"] and broken["error"], rank
+        # In place, some buckets were loaded: the worker says so. Staged, nothing was.
+        assert broken["consistent"] is staged and broken["version"] == 1
+        if staged:
+            assert not broken["got"]
+        assert three["ok"] and three["consistent"] and three["version"] == 3, three["error"]
+        for name, t in tensors(3).items():
+            assert _reads_exactly(three["got"][name], t, READS[rank].tensors[name]), (rank, name)
