@@ -149,3 +149,69 @@ def test_one_push_feeds_a_tp2_and_a_tp1_engine_shard_to_shard(engine, tp1, read_
             assert ratio < 1.1
     finally:
         sync.close()
+
+
+def fsdp_rank(rank: int, port: int, cfg: dict, arch: str, seeds: list[int]) -> list[dict]:
+    """Rank `rank` of a 2-rank FSDP2 trainer (gloo): its parameters stay sharded DTensors, and
+    it pushes its own shards of each model shard to shard."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vllm_nccl_sync import PushClient, SyncConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=120))
+    client = PushClient(SyncConfig(**cfg), rank=rank)
+    try:
+        client.connect()
+        out = []
+        for seed in seeds:
+            model = build_model(arch, seed)
+            mesh = init_device_mesh("cpu", (2,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            r = client.push(model.state_dict(), seed)
+            out.append({"bytes": r.bytes, "per_receiver": r.per_receiver})
+        return out
+    finally:
+        client.close()
+        dist.destroy_process_group()
+
+
+def test_an_fsdp2_trainer_feeds_both_engines_from_its_shards(engine, tp1, read_sets):
+    """Two FSDP2 ranks, each sending only the intersections of its shards with what each
+    worker reads: no rank gathers a tensor, and both engines answer as transformers does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import free_port
+    from tests.procs import run_procs
+
+    arch, _, llm = engine
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=5, timeout_s=60.0,
+               bucket_bytes=256 * 1024, senders=[["127.0.0.1", free_port()]], shard=True)
+    seeds, port = [9, 11], free_port()
+    with ThreadPoolExecutor(3) as pool:
+        trainers = pool.submit(run_procs, [(fsdp_rank, (r, port, cfg, arch, seeds))
+                                           for r in (0, 1)], 300)
+        joins = [pool.submit(e.collective_rpc, "nccl_sync_join", timeout=90, args=(cfg, off))
+                 for e, off in ((llm, 2), (tp1, 4))]
+        assert [w["rank"] for j in joins for w in j.result()] == [2, 3, 4]
+        for seed in seeds:
+            calls = [pool.submit(e.collective_rpc, "nccl_sync_receive", timeout=120,
+                                 args=(60.0,)) for e in (llm, tp1)]
+            summaries = [s for c in calls for s in c.result()]
+            assert [(s["ok"], s["version"]) for s in summaries] == [(True, seed)] * 3, summaries
+            want = hf_greedy(build_model(arch, seed), PROMPTS, 8)
+            assert vllm_greedy(llm, PROMPTS, 8) == want and vllm_greedy(tp1, PROMPTS, 8) == want
+        pushed = trainers.result()
+    for rank, rs in zip((2, 3), read_sets):  # each TP=2 worker took its read set, no more
+        reads = sum(r.numel() for r in rs.tensors.values()) * DTYPE.itemsize
+        for push in pushed[0]:
+            assert reads <= push["per_receiver"][rank] < reads + ALIGN * 4 * len(rs.tensors)
+    assert pushed[1][0]["bytes"] > 0  # rank 1 sent its own shards

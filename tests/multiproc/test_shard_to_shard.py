@@ -264,3 +264,66 @@ def test_a_trainer_killed_mid_update_is_reported_and_a_rejoin_restores(staged):
         assert three["ok"] and three["consistent"] and three["version"] == 3, three["error"]
         for name, t in tensors(3).items():
             assert _reads_exactly(three["got"][name], t, READS[rank].tensors[name]), (rank, name)
+
+
+def fsdp_trainer(cfg: dict, rank: int, port: int, versions: list[int]) -> list[dict]:
+    """Rank `rank` of a 2-rank trainer whose tensors are DTensors sharded by rows (FSDP's
+    layout): it sends only what it holds, and never gathers a full tensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    client = PushClient(SyncConfig(**cfg), rank=rank)
+    client.connect()
+    out = []
+    for v in versions:
+        sd = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in tensors(v).items()}
+        r = client.push(sd, v)
+        out.append({"bytes": r.bytes, "per_sender": r.per_sender,
+                    "per_receiver": r.per_receiver})
+    client.close()
+    dist.destroy_process_group()
+    return out
+
+
+def fsdp_worker(cfg: dict, rank: int, updates: int) -> dict:
+    """`worker` as rank `rank` of a group whose first two ranks are the trainer's."""
+    sizes = record_broadcasts()
+    replica, tp_rank, tp_size = PLACES[rank - 1]
+    rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
+                  reads=READS[rank - 1])
+    out = []
+    for _ in range(updates):
+        keep = Keep()
+        s = rx.run(keep, timeout_s=60)
+        out.append({"ok": s.ok, "error": s.error, "bytes": s.bytes, "got": keep.got,
+                    "moved": sum(sizes)})
+        sizes.clear()
+    rx.close()
+    return {"updates": out}
+
+
+def test_two_fsdp_ranks_send_each_worker_only_the_intersections_they_hold():
+    cfg = {**make_cfg(), "world_size": 5, "senders": [("127.0.0.1", free_port())]}
+    port, versions = free_port(), [1, 2]
+    t0, t1, *workers = run_procs(
+        [(fsdp_trainer, (cfg, r, port, versions)) for r in (0, 1)]
+        + [(fsdp_worker, (cfg, r, len(versions))) for r in (2, 3, 4)], DEADLINE)
+    for i, v in enumerate(versions):
+        sent = tensors(v)
+        for rank, w in zip((2, 3, 4), workers):
+            u = w["updates"][i]
+            assert u["ok"], u["error"]
+            read = READS[rank - 1]
+            for name, t in sent.items():
+                assert _reads_exactly(u["got"][name], t, read.tensors[name]), (rank, name)
+            assert u["moved"] == u["bytes"] == t0[i]["per_receiver"][rank]
+            assert nbytes(read) <= u["moved"] < nbytes(read) + ALIGN * 6 * len(sent)
+        # Each rank sent what it holds of what the workers read: halves here, the norms (read
+        # whole by all three) once per bucket for every receiver.
+        per_sender, per_receiver = t0[i]["per_sender"], t0[i]["per_receiver"]
+        assert per_sender[0] == per_sender[1] and t1[i]["bytes"] == per_sender[1]
+        assert sum(per_sender.values()) < sum(per_receiver.values())

@@ -320,7 +320,10 @@ class Update:
                 return f"blocks of tensor {s.name!r} outside a plan's headers"
             if (why := self._outside(s)) is not None:
                 return why
-            if s.start == 0 and any(overlaps(a, b) for a in s.blocks for b in named or ()):
+            first = chunk_key(s) not in self.covered
+            if first and s.start:
+                return f"blocks of tensor {s.name!r} begin at byte {s.start}, not 0"
+            if first and any(overlaps(a, b) for a in s.blocks for b in named or ()):
                 return f"blocks of tensor {s.name!r} named twice"
             if s.name in self.covered:
                 return f"blocks of tensor {s.name!r} after the whole of it"

@@ -197,6 +197,9 @@ class Transport(abc.ABC):
         if to is not None and not self.reaches_some:
             raise ValueError(f"the {self.backend} plane sends every bucket to every receiver: "
                              "it cannot send one to some of them (shard to shard)")
+        if to is not None and not all(0 <= r < self.world_size and r != src for r in to):
+            raise ValueError(f"point to point from rank {src} to ranks {sorted(to)}: outside "
+                             f"the group's other ranks (world size {self.world_size})")
         if tensor.dtype != torch.uint8 or tensor.device != self.device:
             raise ValueError(
                 f"broadcast takes uint8 on {self.device}, got {tensor.dtype} on {tensor.device}"

@@ -38,6 +38,7 @@ from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.owners import OwnershipError, plan_headers, plan_owners
 from vllm_nccl_sync.trainer.rounds import Rounds
 from vllm_nccl_sync.trainer.send import Buckets, Lead, Sender, send
+from vllm_nccl_sync.trainer.shards import held, local_buckets, shard_plan, specs_of
 from vllm_nccl_sync.trainer.tensors import Caster, PushResult, faithful, without_aliases
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
@@ -48,6 +49,7 @@ from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
+    Block,
     BucketHeader,
     Commit,
     Digest,
@@ -56,9 +58,11 @@ from vllm_nccl_sync.wire.protocol import (
     Message,
     Offer,
     Plan,
+    ReadSet,
     Ready,
     SenderHello,
     Sent,
+    Slot,
     TensorSpec,
     belongs,
     encode,
@@ -80,11 +84,21 @@ def _wire_spec(caster: Caster, t: TensorSpec) -> TensorSpec:
     return TensorSpec(t.name, dtype_name(caster.target(t.name, held)), t.shape)
 
 
-def _owned(lane: BucketLane, headers: list[BucketHeader],
-           by_name: dict[str, torch.Tensor]) -> Buckets:
-    """Every bucket of `headers`, from the tensors `by_name` this sender holds."""
-    for h in headers:
-        yield h, lambda h=h: lane.wire(h.slots, [by_name[s.name] for s in h.slots])
+def _owned(lane: BucketLane, headers: list[BucketHeader], by_name: dict[str, torch.Tensor],
+           parts: Mapping[str, Block]) -> Buckets:
+    """Every bucket of `headers`, from the tensors `by_name` this sender holds (of those in
+    `parts`, only that block)."""
+    for h, sources in local_buckets(headers, by_name, parts):
+        yield h, lambda h=h, sources=sources: lane.wire(h.slots, sources)
+
+
+def _held(named: Mapping[str, torch.Tensor], shard: bool
+          ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, list[int]] | None, dict]:
+    """This sender's tensors as it sends them, their full shapes and the blocks it holds of
+    sharded ones (shard to shard: `shards.held`); else every tensor whole."""
+    if shard:
+        return held(named)
+    return list(without_aliases(named)), None, {}
 
 
 class Coordinator(Sender):
@@ -97,8 +111,11 @@ class Coordinator(Sender):
     def __init__(self, rounds: Rounds, lane: BucketLane, cfg: SyncConfig,
                  named_tensors: Mapping[str, torch.Tensor], version: int, caster: Caster, *,
                  force: bool = False, full: bool = False, staged: bool = False,
-                 balance: bool = False) -> None:
+                 balance: bool = False, reads: Mapping[int, ReadSet] | None = None) -> None:
         self.rounds, self.lane, self.cfg = rounds, lane, cfg
+        self.reads = reads
+        """Every receiver's read set: shard to shard (`shards.shard_plan`)."""
+        self.parts: dict[str, Block] = {}
         self.verdict = Lead(rounds)
         self.armed_s = cfg.timeout_s
         self.version, self.caster = version, caster
@@ -108,22 +125,21 @@ class Coordinator(Sender):
         self.done: dict[int, Sent] = {}
         """Each other sender's `Sent`."""
 
-    def _plan(self, items: list[tuple[str, torch.Tensor]]) -> Plan:
-        """The update's plan, from every sender's `Offer` (and this one's `items`)."""
-        rounds, cfg, version = self.rounds, self.cfg, self.version
-        offers = {0: (_specs(items), not self.balance)}
+    def _plan(self, items: list[tuple[str, torch.Tensor]],
+              shapes: Mapping[str, list[int]] | None) -> Plan:
+        """The update's plan, from every sender's `Offer` (and this one's `items`, of full
+        `shapes` where it holds blocks)."""
+        rounds, version = self.rounds, self.version
+        mine = specs_of(items, shapes) if shapes is not None else _specs(items)
+        offers = {0: (mine, not self.balance, self.parts)}
         for r, o in rounds.gather(Offer, ranks=rounds.peers, who="senders",
                                   what="failed before its plan").items():
-            offers[r] = ([_wire_spec(self.caster, t) for t in o.tensors], o.owned)
+            offers[r] = ([_wire_spec(self.caster, t) for t in o.tensors], o.owned, o.parts)
         try:
-            owner = plan_owners(offers)
+            self.headers = self._headers(offers)
         except OwnershipError as e:
             raise PushError(f"update {version} refused: {e}") from None
-        order = {r: [t for t in specs if owner[t.name] == r] for r, (specs, _) in offers.items()}
-        tensors = list({t.name: t for specs, _ in offers.values() for t in specs}.values())
-        self.headers = plan_headers(order, cfg.bucket_bytes, version, PROTOCOL_VERSION,
-                                    self.force, self.staged,
-                                    alone_bytes(cfg.bucket_bytes, cfg.backend))
+        tensors = list({t.name: t for specs, _, _ in offers.values() for t in specs}.values())
         plan = Plan(PROTOCOL_VERSION, version, tensors, self.full, self.force, None,
                     self.headers, self.staged)
         if len(encode(plan)) > MAX_FRAME_BYTES:
@@ -131,20 +147,37 @@ class Coordinator(Sender):
                             f"one control frame; raise bucket_bytes")
         return plan
 
+    def _headers(self, offers: dict[int, tuple[list[TensorSpec], bool, dict[str, Block]]]
+                 ) -> list[BucketHeader]:
+        """Every header of the update, from the offers: whole tensors, one owner each, or shard
+        to shard where every receiver published its read set."""
+        cfg, alone = self.cfg, alone_bytes(self.cfg.bucket_bytes, self.cfg.backend)
+        if self.reads is not None:
+            return shard_plan({r: (s, p) for r, (s, _, p) in offers.items()}, self.reads,
+                              cfg.bucket_bytes, alone, self.version, PROTOCOL_VERSION,
+                              self.force, self.staged)
+        owner = plan_owners({r: (s, o) for r, (s, o, _) in offers.items()})
+        order = {r: [t for t in s if owner[t.name] == r] for r, (s, _, _) in offers.items()}
+        return plan_headers(order, cfg.bucket_bytes, self.version, PROTOCOL_VERSION,
+                            self.force, self.staged, alone)
+
     def agree(self) -> Buckets:
         """The plan to every receiver and sender, one `Go` (a refusal: `UpdateRefused`)."""
         self.rounds.begin(self.version)
         named, self._source = self._source, None
-        items = [(n, self.caster(n, t)) for n, t in without_aliases(named)]
-        plan = self._plan(items)
+        items, shapes, self.parts = _held(named, self.reads is not None)
+        items = [(n, self.caster(n, t)) for n, t in items]
+        plan = self._plan(items, shapes)
         self.rounds.open(plan, len(self.headers) - 1, self.rounds.everyone)
-        return _owned(self.lane, [h for h in self.headers if h.src == 0], dict(items))
+        return _owned(self.lane, [h for h in self.headers if h.src == 0], dict(items),
+                      self.parts)
 
     def _relay(self, rank: int, msg: Message) -> bool:
         """Another sender's `Digest` goes on to the receivers unchanged (each checks it before
         loading the bucket); its `Sent` is kept."""
         if rank in self.rounds.peers and isinstance(msg, Digest):
-            self.rounds.tell(msg)
+            header = self.headers[msg.seq] if msg.seq < len(self.headers) else None
+            self.rounds.tell(msg, header.to if header is not None else None)
             return True
         if rank in self.rounds.peers and isinstance(msg, Sent):
             self.done[rank] = msg
@@ -205,6 +238,15 @@ class Coordinator(Sender):
         """Past the Go, a failure may have left any sender's group out of step (or its sender
         gone): every rank gives its groups up and joins again."""
         return self.rounds.agreed >= 0
+
+    def per_receiver(self) -> dict[int, int]:
+        if all(h.to is None for h in self.headers):
+            return {}
+        out = dict.fromkeys(self.rounds.receivers, 0)
+        for h in self.headers:
+            for r in self.rounds.receivers if h.to is None else h.to:
+                out[r] += h.length
+        return out
 
     def per_sender(self) -> dict[int, int]:
         out = {0: self.lane.bytes}
@@ -296,6 +338,8 @@ class PeerUpdate(Sender):
         self.armed_s = peer.verdict_s
         self.version, self.caster, self.flags, self.balance = version, caster, flags, balance
         self._source: Mapping[str, torch.Tensor] | None = named_tensors
+        self.parts: dict[str, Block] = {}
+        """The blocks this sender holds of the tensors it holds a block of (shard to shard)."""
         self.ready = False
         """This sender said `Ready`: the coordinator may have sent `Go` to everyone."""
 
@@ -303,10 +347,12 @@ class PeerUpdate(Sender):
         """Offer, take the plan, check this sender's part of it, `Ready`, then the `Go`."""
         peer, version, timeout_s = self.peer, self.version, self.peer.cfg.timeout_s
         named, self._source = self._source, None
-        items = [(n, self.caster(n, t)) for n, t in without_aliases(named)]
+        items, shapes, self.parts = _held(named, peer.cfg.shard)
+        items = [(n, self.caster(n, t)) for n, t in items]
         by_name = dict(items)
-        peer.channel.send(Offer(PROTOCOL_VERSION, peer.rank, version, _specs(items),
-                                not self.balance), timeout_s)
+        specs = specs_of(items, shapes) if shapes is not None else _specs(items)
+        peer.channel.send(Offer(PROTOCOL_VERSION, peer.rank, version, specs, not self.balance,
+                                self.parts), timeout_s)
         plan = peer.expect(Plan, version, "the Plan")
         mine = [h for h in plan.buckets if h.src == peer.rank]
         problem = self._problem(plan, mine, by_name)
@@ -320,7 +366,7 @@ class PeerUpdate(Sender):
         go = peer.expect(Go, version, "Go")
         if go.seq < last:
             raise PushError(f"update {version}: Go covers bucket {go.seq}, not all {last + 1}")
-        return _owned(self.lane, mine, by_name)
+        return _owned(self.lane, mine, by_name, self.parts)
 
     def _problem(self, plan: Plan, mine: list[BucketHeader],
                  by_name: dict[str, torch.Tensor]) -> Problem | None:
@@ -331,7 +377,7 @@ class PeerUpdate(Sender):
         rank, caster, bad = self.peer.rank, self.caster, set()
         for s in (s for h in mine for s in h.slots):
             t, want = by_name.get(s.name), DTYPES.get(s.dtype)
-            if t is None or list(t.shape) != s.shape or want is None:
+            if t is None or not self._holds(s, list(t.shape)) or want is None:
                 bad.add(s.name)
             elif t.dtype != want and caster.dtype is None and faithful(t.dtype, want):
                 by_name[s.name] = caster.to(t, want)
@@ -344,6 +390,18 @@ class PeerUpdate(Sender):
             return Problem(Kind.PLAN, f"sender {rank} pushes force/staged/full={self.flags}, the "
                                       f"coordinator {(plan.force, plan.staged, plan.full)}")
         return None
+
+    def _holds(self, s: Slot, shape: list[int]) -> bool:
+        """Whether this sender holds what slot `s` carries, its tensor held as `shape`: the
+        whole tensor, or (blocks) a block that contains every one of them."""
+        part = self.parts.get(s.name)
+        if part is None:
+            return shape == s.shape
+        size = [z - a for a, z in zip(part.start, part.stop, strict=True)]
+        return shape == size and s.blocks is not None and all(
+            all(p0 <= b0 and b1 <= p1 for b0, b1, p0, p1
+                in zip(b.start, b.stop, part.start, part.stop, strict=True))
+            for b in s.blocks)
 
     def checked(self, sums: dict[int, int]) -> int:
         """A failure here goes to the coordinator; its verdict (`Abort`) says why."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from vllm_nccl_sync.outcomes import SyncError
-from vllm_nccl_sync.wire.packing import DTYPES, plan_buckets, tensor_nbytes
+from vllm_nccl_sync.wire.packing import DTYPES, Bucket, plan_buckets, tensor_nbytes
 from vllm_nccl_sync.wire.protocol import BucketHeader, TensorSpec
 
 
@@ -62,7 +62,8 @@ def plan_owners(offers: Mapping[int, tuple[list[TensorSpec], bool]]) -> dict[str
     return owner
 
 
-def _meta(t: TensorSpec) -> torch.Tensor:
+def meta(t: TensorSpec) -> torch.Tensor:
+    """A tensor of `t`'s dtype and shape that holds no data (to plan buckets by size)."""
     return torch.empty(t.shape, dtype=DTYPES[t.dtype], device="meta")
 
 
@@ -74,18 +75,28 @@ def plan_headers(order: Mapping[int, list[TensorSpec]], capacity: int, version: 
     placed so far goes next; ties: lowest rank); `seq` counts over all of them, `src` names the
     owner, and only the very last is `is_last`. An empty update is one empty bucket of rank 0.
     `alone`: as in `packing.cut`."""
-    cut = {r: list(plan_buckets(((t.name, _meta(t)) for t in specs), capacity, alone))
+    cut = {r: list(plan_buckets(((t.name, meta(t)) for t in specs), capacity, alone))
            for r, specs in sorted(order.items())}
-    placed = dict.fromkeys(cut, 0)
+    return interleaved(cut, version, protocol, force, staged)
+
+
+def interleaved(cut: Mapping[int, list[Bucket]], version: int, protocol: int,
+                force: bool = False, staged: bool = False) -> list[BucketHeader]:
+    """The headers of every sender's buckets (`cut[rank]`, in order), interleaved by bytes: the
+    sender with the fewest bytes placed so far goes next (ties: lowest rank); `seq` counts over
+    all of them, `src` names the sender, and only the very last is `is_last`. None: one empty
+    bucket of rank 0."""
+    left = {r: list(b) for r, b in cut.items()}
+    placed = dict.fromkeys(left, 0)
     headers: list[BucketHeader] = []
-    total = sum(len(b) for b in cut.values())
+    total = sum(len(b) for b in left.values())
     while len(headers) < total:
-        rank = min((r for r in cut if cut[r]), key=lambda r: (placed[r], r))
-        bucket = cut[rank].pop(0)
+        rank = min((r for r in left if left[r]), key=lambda r: (placed[r], r))
+        bucket = left[rank].pop(0)
         placed[rank] += bucket.length
         seq = len(headers)
         headers.append(BucketHeader(protocol, version, seq, bucket.length, seq == total - 1,
-                                    bucket.slots, force, staged, rank))
+                                    bucket.slots, force, staged, rank, to=bucket.to))
     if not headers:
         headers.append(BucketHeader(protocol, version, 0, 0, True, [], force, staged, 0))
     return headers

@@ -289,7 +289,7 @@ class PushClient:
             self.reads = read_sets(self.hellos)
         self.rounds = Rounds(self.channel, self.ranks, cfg.timeout_s, peers=sorted(self.peers),
                              early=early, extend=self.transport.extend)
-        self.lane = BucketLane(self.transport, cfg.bucket_bytes,
+        self.lane = BucketLane(self.transport, cfg.bucket_bytes, offset=cfg.num_senders - 1,
                                check=cfg.bucket_checksums is not False, timeout_s=cfg.timeout_s,
                                digest=self.rounds.tell)
         return self.hellos
@@ -383,12 +383,12 @@ class PushClient:
                                    staged=staged, balance=balance)
         caster = Caster(dtype, engine_dtype(self.hellos) if dtype is None else "")
         parts = (self.rounds, self.lane, self.cfg, named_tensors, version, caster)
-        reads = self.reads if adapter is None else None  # an adapter's tensors are whole
         sender: Sender = (
-            Coordinator(*parts, force=force, full=full, staged=staged, balance=balance)
+            Coordinator(*parts, force=force, full=full, staged=staged, balance=balance,
+                        reads=self.reads)
             if self.cfg.num_senders > 1 else
             OneSender(*parts, force=force, full=full, staged=staged, adapter=adapter,
-                      window=window, reads=reads))
+                      window=window, reads=None if adapter else self.reads))
         result = send(sender, version, caster, staged=staged, progress=progress, verified=verified)
         caster.report(version)
         return result

@@ -15,6 +15,12 @@ The buckets of each set of receivers are cut as `plan_buckets` cuts a stream (a 
 than a bucket in chunks of whole elements), one set after the other: the buckets for every
 receiver first, then each worker's. Every header states its exact `length`, and each worker
 checks its blocks against its own read set before any byte moves (`engine.update`).
+
+Several senders (an FSDP trainer's ranks) each offer the block of every tensor they hold
+(`Offer.parts`, from a DTensor's local shard: `held`); the coordinator plans, for each worker
+and each sender, the intersection of what the worker reads and what the sender holds
+(`shard_plan`), so no rank ever gathers a full tensor. A tensor some sender holds whole goes
+from one of them, balanced by bytes (`owners.plan_owners`).
 """
 
 from __future__ import annotations
@@ -25,9 +31,15 @@ import msgspec
 import torch
 
 from vllm_nccl_sync.outcomes import PushError, clip
-from vllm_nccl_sync.wire.packing import Bucket, Region, plan_buckets
-from vllm_nccl_sync.wire.protocol import Block, Hello, ReadSet
+from vllm_nccl_sync.trainer.owners import OwnershipError, interleaved, meta, plan_owners
+from vllm_nccl_sync.trainer.tensors import without_aliases
+from vllm_nccl_sync.wire.packing import Bucket, Region, dtype_name, plan_buckets
+from vllm_nccl_sync.wire.protocol import Block, BucketHeader, Hello, ReadSet, TensorSpec
 from vllm_nccl_sync.wire.reads import problems, whole
+
+Offered = Mapping[int, tuple[list[TensorSpec], Mapping[str, Block]]]
+"""Per sender rank: the tensors it offered (full dtype and shape) and the blocks it holds of
+those it holds only a block of (`Offer.parts`)."""
 
 Group = tuple[int, ...] | None
 """The receiver ranks a bucket goes to; None: every receiver."""
@@ -97,3 +109,100 @@ def read_sets(hellos: Mapping[int, Hello]) -> dict[int, ReadSet]:
             raise PushError(clip(f"refused the read sets of replica {replica} (ranks {ranks}): "
                                  f"{shown}{more}"))
     return out
+
+
+def held(named: Mapping[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]],
+                                                     dict[str, list[int]], dict[str, Block]]:
+    """This rank's tensors as it sends them: `(name, local tensor)` (a DTensor's local shard),
+    each tensor's full shape, and the block of the full tensor each DTensor's shard is."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    items, shapes, parts = [], {}, {}
+    for name, t in named.items():
+        shapes[name] = list(t.shape)
+        if isinstance(t, DTensor):
+            size, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                 t.placements)
+            parts[name] = Block(list(offset), [o + n for o, n in zip(offset, size, strict=True)])
+            t = t.to_local()
+        items.append((name, t))
+    return list(without_aliases(dict(items))), shapes, parts
+
+
+def _intersection(a: Block, b: Block) -> Block | None:
+    start = [max(x, y) for x, y in zip(a.start, b.start, strict=True)]
+    stop = [min(x, y) for x, y in zip(a.stop, b.stop, strict=True)]
+    return Block(start, stop) if all(x < z for x, z in zip(start, stop, strict=True)) else None
+
+
+def _sources(offers: Offered, owner: Mapping[str, int], name: str) -> list[tuple[int, Block]]:
+    """Who sends tensor `name` from which block they hold: its owner among the senders that
+    hold it whole (`owner`), else every sender holding a block of it."""
+    spec = next(t for specs, _ in offers.values() for t in specs if t.name == name)
+    if name in owner:
+        return [(owner[name], whole(spec.dtype, spec.shape).blocks[0])]
+    return [(r, parts[name]) for r, (_, parts) in sorted(offers.items()) if name in parts]
+
+
+def _pieces(spec: TensorSpec, sources: list[tuple[int, Block]],
+            reads: Mapping[int, ReadSet]) -> Iterator[tuple[int, Group, torch.Tensor | Region]]:
+    """`(sender, receivers, what it sends them)` for tensor `spec`; OwnershipError where the
+    senders hold less than some receivers read."""
+    t = meta(spec)
+    for group, part in _split(spec.name, t, reads):
+        wanted = part.blocks if isinstance(part, Region) else whole(spec.dtype, spec.shape).blocks
+        got = 0
+        for src, have in sources:
+            cut = [x for b in wanted if (x := _intersection(b, have)) is not None]
+            got += sum(b.numel() for b in cut)
+            if cut == wanted and not isinstance(part, Region):
+                yield src, group, t
+            elif cut:
+                yield src, group, Region(t, cut)
+        if got != sum(b.numel() for b in wanted):
+            raise OwnershipError(f"tensor {spec.name!r}: the senders hold {got} of the "
+                                 f"{sum(b.numel() for b in wanted)} elements receivers "
+                                 f"{list(group or reads)} read (blocks overlap or are missing)")
+
+
+def shard_plan(offers: Offered, reads: Mapping[int, ReadSet], capacity: int, alone: int,
+               version: int, protocol: int, force: bool, staged: bool) -> list[BucketHeader]:
+    """Every header of an update from several senders, shard to shard (see the module text);
+    raises `OwnershipError` where the senders' tensors or blocks do not make one plan."""
+    whole_offers = {r: ([t for t in specs if t.name not in parts], False)
+                    for r, (specs, parts) in offers.items()}
+    owner = plan_owners(whole_offers)
+    specs = {t.name: t for specs, _ in offers.values() for t in specs}
+    groups: dict[int, dict[Group, list[tuple[str, torch.Tensor | Region]]]] = {}
+    for name, spec in specs.items():
+        for src, group, part in _pieces(spec, _sources(offers, owner, name), reads):
+            groups.setdefault(src, {None: []}).setdefault(group, []).append((name, part))
+    cut = {src: [_as_slots(b, group) for group, named in by_group.items()
+                 for b in plan_buckets(named, capacity, alone)]  # type: ignore[arg-type]
+           for src, by_group in sorted(groups.items())}
+    return interleaved(cut, version, protocol, force, staged)
+
+
+def local_buckets(headers: list[BucketHeader], items: Mapping[str, torch.Tensor],
+                  parts: Mapping[str, Block]) -> Iterator[tuple[BucketHeader, list]]:
+    """Each header of `headers` with its slots' sources from this sender's tensors: a slot of
+    blocks cut out of the block this sender holds (`parts`; else the whole tensor)."""
+    for h in headers:
+        sources: list = []
+        for s in h.slots:
+            t = items[s.name]
+            if s.blocks is None:
+                sources.append(t)
+                continue
+            origin = parts[s.name].start if s.name in parts else [0] * len(s.shape)
+            sources.append(Region(t, [Block([a - o for a, o in zip(b.start, origin, strict=True)],
+                                            [z - o for z, o in zip(b.stop, origin, strict=True)])
+                                      for b in s.blocks]))
+        yield h, sources
+
+
+def specs_of(items: list[tuple[str, torch.Tensor]],
+             shapes: Mapping[str, list[int]]) -> list[TensorSpec]:
+    """The offer of `items`: each tensor's wire dtype and full shape."""
+    return [TensorSpec(n, dtype_name(t.dtype), shapes[n]) for n, t in items]

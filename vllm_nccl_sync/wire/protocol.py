@@ -365,6 +365,9 @@ class Offer(msgspec.Struct, tag="offer", frozen=True, forbid_unknown_fields=True
     version: Count
     tensors: Tensors
     owned: bool = True
+    parts: Annotated[dict[Name, Block], msgspec.Meta(max_length=MAX_TENSORS)] = {}
+    """Tensors this sender holds one block of only (its shard of a sharded tensor: FSDP), by
+    name; `tensors` gives their full dtype and shape. Shard to shard sends from these blocks."""
 
 
 class Sent(msgspec.Struct, tag="sent", frozen=True, forbid_unknown_fields=True):
