@@ -9,13 +9,16 @@ group is busy until the end.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import torch
 
 from vllm_nccl_sync.outcomes import SyncError
 from vllm_nccl_sync.wire.packing import DTYPES, Bucket, plan_buckets, tensor_nbytes
 from vllm_nccl_sync.wire.protocol import BucketHeader, TensorSpec
+
+K = TypeVar("K", int, str)
 
 
 class OwnershipError(SyncError, ValueError):
@@ -80,20 +83,28 @@ def plan_headers(order: Mapping[int, list[TensorSpec]], capacity: int, version: 
     return interleaved(cut, version, protocol, force, staged)
 
 
+def by_bytes(queues: Mapping[K, list[Bucket]]) -> Iterator[tuple[K, Bucket]]:
+    """Every bucket of `queues`, each queue's in order, interleaved by bytes: the queue with the
+    fewest bytes placed so far goes next (ties: the lowest key), so that every lane or link
+    stays busy until the end."""
+    left = {k: list(b) for k, b in queues.items()}
+    placed = dict.fromkeys(left, 0)
+    while any(left.values()):
+        key = min((k for k in left if left[k]), key=lambda k: (placed[k], k))
+        bucket = left[key].pop(0)
+        placed[key] += bucket.length
+        yield key, bucket
+
+
 def interleaved(cut: Mapping[int, list[Bucket]], version: int, protocol: int,
                 force: bool = False, staged: bool = False) -> list[BucketHeader]:
     """The headers of every sender's buckets (`cut[rank]`, in order), interleaved by bytes: the
     sender with the fewest bytes placed so far goes next (ties: lowest rank); `seq` counts over
     all of them, `src` names the sender, and only the very last is `is_last`. None: one empty
     bucket of rank 0."""
-    left = {r: list(b) for r, b in cut.items()}
-    placed = dict.fromkeys(left, 0)
     headers: list[BucketHeader] = []
-    total = sum(len(b) for b in left.values())
-    while len(headers) < total:
-        rank = min((r for r in left if left[r]), key=lambda r: (placed[r], r))
-        bucket = left[rank].pop(0)
-        placed[rank] += bucket.length
+    total = sum(len(b) for b in cut.values())
+    for rank, bucket in by_bytes(cut):
         seq = len(headers)
         headers.append(BucketHeader(protocol, version, seq, bucket.length, seq == total - 1,
                                     bucket.slots, force, staged, rank, to=bucket.to))

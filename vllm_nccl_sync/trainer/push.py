@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 
 import msgspec
 import torch
@@ -34,7 +35,7 @@ from vllm_nccl_sync.trainer.lane import BucketLane
 from vllm_nccl_sync.trainer.multisend import Coordinator, PeerSender
 from vllm_nccl_sync.trainer.rounds import Rounds
 from vllm_nccl_sync.trainer.send import Buckets, Lead, Sender, Wire, send
-from vllm_nccl_sync.trainer.shards import read_sets, shard_buckets
+from vllm_nccl_sync.trainer.shards import fallbacks, read_sets, shard_buckets
 from vllm_nccl_sync.trainer.tensors import (
     Caster,
     Progress,
@@ -241,6 +242,8 @@ class PushClient:
         self.hellos: dict[int, Hello] = {}
         self.reads: dict[int, ReadSet] | None = None
         """Shard to shard (`cfg.shard`): every receiver's read set, checked at `connect`."""
+        self.whole: dict[str, str] = {}
+        """Shard to shard: the tensors some worker reads whole, and why (`PushResult.whole`)."""
         self.peers: set[int] = set()
         """The other senders that joined (several senders only)."""
         self.transport: Transport | None = None
@@ -287,6 +290,7 @@ class PushClient:
                 self.peers.add(rank)
         if cfg.shard:
             self.reads = read_sets(self.hellos)
+            self.whole = fallbacks(self.reads)
         self.rounds = Rounds(self.channel, self.ranks, cfg.timeout_s, peers=sorted(self.peers),
                              early=early, extend=self.transport.extend)
         self.lane = BucketLane(self.transport, cfg.bucket_bytes, offset=cfg.num_senders - 1,
@@ -391,7 +395,7 @@ class PushClient:
                       window=window, reads=None if adapter else self.reads))
         result = send(sender, version, caster, staged=staged, progress=progress, verified=verified)
         caster.report(version)
-        return result
+        return replace(result, whole=dict(self.whole)) if self.whole else result
 
     def close(self) -> None:
         if self._peer is not None:

@@ -12,8 +12,8 @@ Each worker tells, in its `Hello`, which blocks of every checkpoint tensor its o
   reads nothing of it gets nothing.
 
 The buckets of each set of receivers are cut as `plan_buckets` cuts a stream (a region larger
-than a bucket in chunks of whole elements), one set after the other: the buckets for every
-receiver first, then each worker's. Every header states its exact `length`, and each worker
+than a bucket in chunks of whole elements), and the sets' buckets interleaved by bytes, so that
+point-to-point streams to different workers overlap rather than queue. Every header states its exact `length`, and each worker
 checks its blocks against its own read set before any byte moves (`engine.update`).
 
 Several senders (an FSDP trainer's ranks) each offer the block of every tensor they hold
@@ -25,17 +25,26 @@ from one of them, balanced by bytes (`owners.plan_owners`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 
 import msgspec
 import torch
 
 from vllm_nccl_sync.outcomes import PushError, clip
-from vllm_nccl_sync.trainer.owners import OwnershipError, interleaved, meta, plan_owners
+from vllm_nccl_sync.trainer.owners import (
+    OwnershipError,
+    by_bytes,
+    interleaved,
+    meta,
+    plan_owners,
+)
 from vllm_nccl_sync.trainer.tensors import without_aliases
 from vllm_nccl_sync.wire.packing import Bucket, Region, dtype_name, plan_buckets
 from vllm_nccl_sync.wire.protocol import Block, BucketHeader, Hello, ReadSet, TensorSpec
 from vllm_nccl_sync.wire.reads import problems, whole
+
+log = logging.getLogger(__name__)
 
 Offered = Mapping[int, tuple[list[TensorSpec], Mapping[str, Block]]]
 """Per sender rank: the tensors it offered (full dtype and shape) and the blocks it holds of
@@ -84,9 +93,17 @@ def shard_buckets(items: list[tuple[str, torch.Tensor]], reads: Mapping[int, Rea
     for name, t in items:
         for group, part in _split(name, t, reads):
             groups.setdefault(group, []).append((name, part))
-    for group, named in groups.items():
-        for bucket in plan_buckets(named, capacity, alone):  # type: ignore[arg-type]
-            yield _as_slots(bucket, group)
+    yield from _cut(groups, capacity, alone)
+
+
+def _cut(groups: Mapping[Group, list[tuple[str, torch.Tensor | Region]]], capacity: int,
+         alone: int) -> list[Bucket]:
+    """The buckets of each set of receivers' tensors, interleaved by bytes (`by_bytes`): on a
+    plane that sends point to point, the workers' streams then overlap instead of queueing."""
+    queues = {i: [_as_slots(b, group)
+                  for b in plan_buckets(named, capacity, alone)]  # type: ignore[arg-type]
+              for i, (group, named) in enumerate(groups.items())}
+    return [b for _, b in by_bytes(queues)]
 
 
 def read_sets(hellos: Mapping[int, Hello]) -> dict[int, ReadSet]:
@@ -178,9 +195,7 @@ def shard_plan(offers: Offered, reads: Mapping[int, ReadSet], capacity: int, alo
     for name, spec in specs.items():
         for src, group, part in _pieces(spec, _sources(offers, owner, name), reads):
             groups.setdefault(src, {None: []}).setdefault(group, []).append((name, part))
-    cut = {src: [_as_slots(b, group) for group, named in by_group.items()
-                 for b in plan_buckets(named, capacity, alone)]  # type: ignore[arg-type]
-           for src, by_group in sorted(groups.items())}
+    cut = {src: _cut(by_group, capacity, alone) for src, by_group in sorted(groups.items())}
     return interleaved(cut, version, protocol, force, staged)
 
 
@@ -206,3 +221,17 @@ def specs_of(items: list[tuple[str, torch.Tensor]],
              shapes: Mapping[str, list[int]]) -> list[TensorSpec]:
     """The offer of `items`: each tensor's wire dtype and full shape."""
     return [TensorSpec(n, dtype_name(t.dtype), shapes[n]) for n, t in items]
+
+
+def fallbacks(reads: Mapping[int, ReadSet]) -> dict[str, str]:
+    """The tensors some worker reads whole because its reads could not be followed, each with
+    the first reason given (`Read.why`), logged once."""
+    out: dict[str, str] = {}
+    for rank in sorted(reads):
+        for name, r in reads[rank].tensors.items():
+            if r.why:
+                out.setdefault(name, f"rank {rank}: {r.why}")
+    if out:
+        log.warning("shard to shard: %d tensor(s) go whole to some worker: %s", len(out),
+                    "; ".join(f"{n} ({w})" for n, w in list(out.items())[:5]))
+    return out

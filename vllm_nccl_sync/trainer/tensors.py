@@ -47,6 +47,9 @@ class PushResult:
     per_receiver: dict[int, int] = field(default_factory=dict)
     """Shard to shard: the bytes sent to each receiver rank ({}: every receiver got every
     bucket, `bytes`)."""
+    whole: dict[str, str] = field(default_factory=dict)
+    """Shard to shard: the tensors some worker reads whole because its loaders could not be
+    followed, each with the reason (`Read.why`: a loader that computes, replay refused)."""
     cast: dict[str, str] = field(default_factory=dict)
     """Dtypes this sender cast on the way (`{"bfloat16": "float32"}`: from -> to)."""
     live: list[dict[str, Any]] = field(default_factory=list)

@@ -123,7 +123,8 @@ class Region:
     def bytes(self) -> torch.Tensor:
         """The blocks' elements, one block after the other, as flat bytes."""
         parts = [self.tensor[block_index(b)].reshape(-1) for b in self.blocks]
-        flat = torch.cat(parts) if parts else self.tensor.new_empty(0)
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
+            self.tensor.new_empty(0)  # one block of whole rows: a view, no copy
         return flat.view(torch.uint8)
 
 
