@@ -225,16 +225,16 @@ def second_trainer(cfg: dict) -> int:
     return result.version
 
 
-def rejoining_worker(cfgs: tuple[dict, dict], rank: int) -> dict:
+def rejoining_worker(cfgs: tuple[dict, dict], rank: int, senders: int = 1) -> dict:
     """Takes version 1, sees the trainer die during version 2, joins the new trainer with the
-    state it holds and takes version 3."""
+    state it holds and takes version 3 (`senders`: the trainer's ranks before this one)."""
     from vllm_nccl_sync.engine.state import ReceiverState
 
-    replica, tp_rank, tp_size = PLACES[rank]
+    replica, tp_rank, tp_size = PLACES[rank - senders + 1]
     state, out = ReceiverState(), []
     for cfg, updates in zip(cfgs, (2, 1)):
         rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
-                      reads=READS[rank], state=state)
+                      reads=READS[rank - senders + 1], state=state)
         for _ in range(updates):
             keep = Keep()
             s = rx.run(keep, timeout_s=60)
@@ -253,6 +253,12 @@ def test_a_trainer_killed_mid_update_is_reported_and_a_rejoin_restores(staged):
         + [(rejoining_worker, ((first, second), r)) for r in (1, 2, 3)], DEADLINE,
         allow_killed={0})
     assert again == 3
+    _check_rejoined(workers, staged)
+
+
+def _check_rejoined(workers: list[dict], staged: bool) -> None:
+    """Each worker (read set 1, 2, 3) took version 1, reported version 2's failure (in place:
+    inconsistent; staged: intact, nothing loaded) and, joined again, holds exactly version 3."""
     for rank, w in zip((1, 2, 3), workers):
         one, broken, three = w["updates"]
         assert one["ok"] and one["version"] == 1, one["error"]
@@ -264,6 +270,7 @@ def test_a_trainer_killed_mid_update_is_reported_and_a_rejoin_restores(staged):
         assert three["ok"] and three["consistent"] and three["version"] == 3, three["error"]
         for name, t in tensors(3).items():
             assert _reads_exactly(three["got"][name], t, READS[rank].tensors[name]), (rank, name)
+
 
 
 def fsdp_trainer(cfg: dict, rank: int, port: int, versions: list[int]) -> list[dict]:
@@ -327,3 +334,56 @@ def test_two_fsdp_ranks_send_each_worker_only_the_intersections_they_hold():
         per_sender, per_receiver = t0[i]["per_sender"], t0[i]["per_receiver"]
         assert per_sender[0] == per_sender[1] and t1[i]["bytes"] == per_sender[1]
         assert sum(per_sender.values()) < sum(per_receiver.values())
+
+
+def dying_fsdp_rank(cfg: dict, rank: int, port: int, staged: bool) -> str:
+    """`fsdp_trainer`'s rank: version 1, then version 2, during which rank 1 dies (SIGKILL) once
+    its second bucket went out; rank 0 returns how its push of version 2 failed."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from vllm_nccl_sync.planes.base import Transport
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    client = PushClient(SyncConfig(**cfg), rank=rank)
+    client.connect()
+    for v in (1, 2):
+        sd = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in tensors(v).items()}
+        if v == 2 and rank == 1:
+            real, calls = Transport.broadcast, []
+
+            def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
+                handle = real(self, tensor, src, length=length, to=to)
+                calls.append(1)
+                if len(calls) == 2:
+                    handle.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return handle
+
+            Transport.broadcast = broadcast_then_die
+        try:
+            client.push(sd, v, staged=staged)
+        except PushError as e:
+            return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_an_fsdp_rank_killed_mid_update_is_reported_and_a_rejoin_restores(staged):
+    first = {**make_cfg(), "world_size": 5, "senders": [("127.0.0.1", free_port())],
+             "timeout_s": 10.0}
+    second = {**make_cfg(), "world_size": 5, "senders": [("127.0.0.1", free_port())]}
+    ports = free_port(), free_port()
+    said, _, *rest = run_procs(
+        [(dying_fsdp_rank, (first, r, ports[0], staged)) for r in (0, 1)]
+        + [(fsdp_trainer, (second, r, ports[1], [3])) for r in (0, 1)]
+        + [(rejoining_worker, ((first, second), r, 2)) for r in (2, 3, 4)], DEADLINE,
+        allow_killed={1})
+    assert "sender 1" in said, said
+    _check_rejoined(rest[2:], staged)
