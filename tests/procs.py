@@ -84,6 +84,27 @@ def record_broadcasts() -> list[int]:
     return sizes
 
 
+def die_after_broadcasts(n: int) -> None:
+    """Make this process SIGKILL itself once its `n`-th data-plane post completed (so that
+    buckets did land before it dies, whatever the machine's speed)."""
+    import os
+    import signal
+
+    from vllm_nccl_sync.planes.base import Transport
+
+    real, calls = Transport.broadcast, []
+
+    def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
+        handle = real(self, tensor, src, length=length, to=to)
+        calls.append(1)
+        if len(calls) == n:
+            handle.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+
+    Transport.broadcast = broadcast_then_die
+
+
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float) -> None:
     """Poll `ready()` until true; fail with `what` after `timeout_s` (a generous deadline, never
     a guess at how fast something runs)."""

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.conftest import free_port
+from tests.procs import die_after_broadcasts
 from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 
 pytestmark = pytest.mark.vllm
@@ -60,19 +61,7 @@ def _stream(sd: dict, fault: str | None):
     """The state dict as a generator; with `die`, the trainer is SIGKILLed once its third
     bucket's broadcast completed (so buckets did land, whatever the machine's speed)."""
     if fault == "die":
-        from vllm_nccl_sync.planes.base import Transport
-
-        real, calls = Transport.broadcast, []
-
-        def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
-            handle = real(self, tensor, src, length=length, to=to)
-            calls.append(1)
-            if len(calls) == 3:
-                handle.wait()
-                os.kill(os.getpid(), signal.SIGKILL)
-            return handle
-
-        Transport.broadcast = broadcast_then_die
+        die_after_broadcasts(3)
     yield from sd.items()
 
 

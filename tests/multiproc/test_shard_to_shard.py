@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.procs import record_broadcasts, run_procs
+from tests.procs import die_after_broadcasts, record_broadcasts, run_procs
 from vllm_nccl_sync import PushClient, PushError, SyncConfig, UpdateRefused
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.wire.packing import ALIGN, dtype_name
@@ -194,25 +194,10 @@ def test_a_hostile_read_set_is_refused_at_join_naming_it():
 
 def dying_trainer(cfg: dict, staged: bool) -> None:
     """Pushes version 1, then dies (SIGKILL) once the third bucket of version 2 went out."""
-    import os
-    import signal
-
-    from vllm_nccl_sync.planes.base import Transport
-
     client = PushClient(SyncConfig(**cfg))
     client.connect()
     client.push(tensors(1), 1, staged=staged)
-    real, calls = Transport.broadcast, []
-
-    def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
-        handle = real(self, tensor, src, length=length, to=to)
-        calls.append(1)
-        if len(calls) == 3:
-            handle.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return handle
-
-    Transport.broadcast = broadcast_then_die
+    die_after_broadcasts(3)
     client.push(tensors(2), 2, staged=staged)
 
 
@@ -339,14 +324,9 @@ def test_two_fsdp_ranks_send_each_worker_only_the_intersections_they_hold():
 def dying_fsdp_rank(cfg: dict, rank: int, port: int, staged: bool) -> str:
     """`fsdp_trainer`'s rank: version 1, then version 2, during which rank 1 dies (SIGKILL) once
     its second bucket went out; rank 0 returns how its push of version 2 failed."""
-    import os
-    import signal
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-
-    from vllm_nccl_sync.planes.base import Transport
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -356,17 +336,7 @@ def dying_fsdp_rank(cfg: dict, rank: int, port: int, staged: bool) -> str:
     for v in (1, 2):
         sd = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in tensors(v).items()}
         if v == 2 and rank == 1:
-            real, calls = Transport.broadcast, []
-
-            def broadcast_then_die(self, tensor, src=0, *, length=None, to=None):
-                handle = real(self, tensor, src, length=length, to=to)
-                calls.append(1)
-                if len(calls) == 2:
-                    handle.wait()
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return handle
-
-            Transport.broadcast = broadcast_then_die
+            die_after_broadcasts(2)
         try:
             client.push(sd, v, staged=staged)
         except PushError as e:

@@ -230,6 +230,10 @@ class PushClient:
     (0..M-1) and calls `connect` and `push` with the tensors it owns (or, `balance=True`, all it
     can produce). Rank 0 is the coordinator: it hosts the control socket and runs the agreement
     and the commit round for all of them (`multisend`).
+
+    Shard to shard (`cfg.shard`): `connect` takes every worker's read set (`reads`), and each
+    push of a state dict sends each worker only what its loaders read (`shards`); with several
+    senders, each rank passes its own `state_dict()` (FSDP2 DTensors: it sends from its shards).
     """
 
     def __init__(self, cfg: SyncConfig, device: torch.device | None = None, *,

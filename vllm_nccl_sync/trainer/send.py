@@ -21,11 +21,10 @@ What differs is supplied by a `Sender`, one per update:
   the receivers (one sender, the coordinator); a peer sender's `verdict` follows the
   coordinator (`Sent`, then its `Commit`s or its `Abort`).
 
-Shard to shard (each trainer rank sends the slices it owns to each worker) is one more `Sender`:
-its `agree` takes the plan (rank 0 makes it, with a `Lead` verdict; the other ranks follow the
-coordinator as peer senders do) whose headers name each bucket's slices and the worker it is for,
-and yields those buckets with their slices' bytes; reaching one worker rather than all is the
-plane's business, behind `Transport`. The sequence here stays as it is.
+Shard to shard changes no step here: each supplier plans from the workers' read sets
+(`shards`: one sender's buckets, or the coordinator's plan of every rank's intersections), its
+headers name each bucket's blocks and the workers it goes to, and reaching some workers rather
+than all is the plane's business, behind `Transport`.
 """
 
 from __future__ import annotations

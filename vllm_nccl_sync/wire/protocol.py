@@ -31,6 +31,10 @@ and a side that fails after `Go` still joins every collective it agreed to, then
 update's version only on the last `Commit`: an engine never reports a version that some of its
 workers do not hold.
 
+Shard to shard (`SyncConfig.shard`): each worker's `Hello` carries its read set; a header may be
+for some receivers only (`to`: only they join its collective, point to point) and a slot may
+carry only some blocks of its tensor (`Slot.blocks`); a `Digest` goes to a bucket's receivers.
+
 Several senders (ranks 0..M-1, `SyncConfig.senders`): sender 0 is the coordinator and runs all of
 the above with the receivers; every other sender joins its ROUTER (`SenderHello`), opens each
 update with an `Offer` of its tensors, gets the `Plan` (each header's `src` names the sender whose
