@@ -193,10 +193,20 @@ def test_served_engine_through_rl_http_routes(tmp_path):
 # ---------------------------------------------------------------------------- no engine
 
 
+def whole_reads(module: torch.nn.Module):
+    """The read set of a TP=1 worker holding `module`: every tensor, whole."""
+    from vllm_nccl_sync.wire.packing import dtype_name
+    from vllm_nccl_sync.wire.protocol import ReadSet
+    from vllm_nccl_sync.wire.reads import whole
+
+    return ReadSet(0, {n: whole(dtype_name(p.dtype), list(p.shape))
+                       for n, p in module.named_parameters()})
+
+
 class ModuleClient:
     """A `VLLMWeightSyncClient` whose "engine" is a torch module here: each call does what the
-    `nccl_sync` worker does (join, receive into the module), with vLLM 0.26's
-    `finish_weight_update()` (no weight version)."""
+    `nccl_sync` worker does (join, publishing its read set for shard to shard; receive into the
+    module), with vLLM 0.26's `finish_weight_update()` (no weight version)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -207,8 +217,9 @@ class ModuleClient:
         from vllm_nccl_sync.engine.receiver import Receiver
         from vllm_nccl_sync.wire.config import SyncConfig
 
-        self.receiver = Receiver(SyncConfig.from_dict(init_info["sync_config"]),
-                                 init_info["rank_offset"])
+        cfg = SyncConfig.from_dict(init_info["sync_config"])
+        self.receiver = Receiver(cfg, init_info["rank_offset"],
+                                 reads=whole_reads(self.module) if cfg.shard else None)
 
     def start_weight_update(self) -> None:
         pass
@@ -345,10 +356,12 @@ class Fp32ModuleClient(ModuleClient):
         return self.label
 
 
-def test_bf16_trainer_into_an_fp32_engine_through_vllms_api(monkeypatch):
+@pytest.mark.parametrize("shard", [False, True], ids=["broadcast", "shard"])
+def test_bf16_trainer_into_an_fp32_engine_through_vllms_api(monkeypatch, shard):
     """What a trainer written against vLLM's API does (bf16 weights, no dtype anywhere): the
     floating tensors are cast to the engine's float32 on the trainer, and the engine that never
-    took an update ("default") gets version 1."""
+    took an update ("default") gets version 1. With `shard`, the worker's read set reaches the
+    trainer and a source that would stream is pushed as a state dict."""
     import msgspec
     from vllm.distributed.weight_transfer import ModuleSource
 
@@ -367,10 +380,14 @@ def test_bf16_trainer_into_an_fp32_engine_through_vllms_api(monkeypatch):
     src = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
     dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     client = Fp32ModuleClient(dst)
-    info = wt.NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S, bucket_bytes=256)
-    engine = wt.NcclSyncTrainerEngine.trainer_init(info, client=client, source=ModuleSource(src))
+    info = wt.NcclSyncTrainerInitInfo(world_size=2, rank=0, timeout_s=TIMEOUT_S, bucket_bytes=256,
+                                      shard=shard)
+    source = wt.FSDPWeightSource(src) if shard else ModuleSource(src)  # the first would stream
+    engine = wt.NcclSyncTrainerEngine.trainer_init(info, client=client, source=source)
     try:
         assert (engine.held, engine.version) == ("default", 0)
+        assert (engine.push_client.reads is not None) is shard
+        assert isinstance(engine._tensors(), dict)  # ModuleSource over plain parameters, or shard
         result = engine.send_weights()
         assert result.version == 1 and client.label == "1"
         assert result.cast == {"bfloat16": "float32"}
@@ -427,6 +444,14 @@ def test_init_infos_refuse_a_bad_value_where_it_was_written():
         Info(world_size=2, rank=0, timeout_s=0)
     with pytest.raises(ValueError, match=r"^NcclSyncTrainerInitInfo\.world_size: "):
         Info(world_size=1, rank=0)
+    with pytest.raises(ValueError, match=r"^NcclSyncTrainerInitInfo\.shard: "
+                                         r"SyncConfig\.shard='yes'"):
+        Info(world_size=2, rank=0, shard="yes")
+    with pytest.raises(ValueError, match="shard=True pushes the source as a state dict"):
+        Info(world_size=2, rank=0, shard=True, plan=False)
+    sharded = Info(world_size=2, rank=0, transport="gloo", shard=True).sync_config()
+    assert sharded.shard is True
+    assert NcclSyncInitInfo(sync_config=sharded.to_dict()).config().shard is True
     info = Info(world_size=3, rank=0, master_address="10.0.0.1", master_port=29500,
                 control_port=29501, transport="gloo", packed_buffer_size_bytes=1 << 20,
                 timeout_s=7.0, secret="ab")
@@ -436,6 +461,8 @@ def test_init_infos_refuse_a_bad_value_where_it_was_written():
     with pytest.raises(ValueError, match=r"^NcclSyncInitInfo\.sync_config\['bucket_bytes'\]: "
                                          r"SyncConfig\.bucket_bytes=3: "):
         NcclSyncInitInfo(sync_config={**info.sync_config().to_dict(), "bucket_bytes": 3})
+    with pytest.raises(ValueError, match=r"^NcclSyncInitInfo\.sync_config\['shard'\]: "):
+        NcclSyncInitInfo(sync_config={**info.sync_config().to_dict(), "shard": "yes"})
     cfg = info.sync_config()
     assert NcclSyncInitInfo(sync_config=cfg.to_dict()).config() == cfg
     assert NcclSyncInitInfo(sync_config=cfg).config() == cfg

@@ -262,9 +262,16 @@ def test_a_bad_value_is_refused_at_construction_naming_the_argument():
     with pytest.raises(ValueError, match=r"^VllmNcclSyncCheckpointEngine\.transport: "
                                          r"SyncConfig\.backend='tcp'"):
         VllmNcclSyncCheckpointEngine(BUCKET, transport="tcp")
+    with pytest.raises(ValueError, match=r"^VllmNcclSyncCheckpointEngine\.shard: "
+                                         r"SyncConfig\.shard='yes'"):
+        VllmNcclSyncCheckpointEngine(BUCKET, transport="gloo", shard="yes")
+    sharded = VllmNcclSyncCheckpointEngine(BUCKET, is_master=True, transport="gloo", shard=True)
+    assert sharded.sync_config("127.0.0.1").shard is True
+    with pytest.raises(ValueError, match="verl's 1 rollout worker.* publish no read set"):
+        VllmNcclSyncCheckpointEngine.build_topology(1, 1, [sharded.prepare()])
     ce = VllmNcclSyncCheckpointEngine(BUCKET, is_master=True, transport="gloo", timeout_s=9.0)
     cfg = ce.sync_config("127.0.0.1")
     assert cfg == SyncConfig.build(host="127.0.0.1", world_size=2, backend="gloo",
                                    bucket_bytes=BUCKET, timeout_s=9.0, secret=cfg.secret,
                                    control_port=cfg.control_port, group_port=cfg.group_port)
-    assert len(cfg.secret) == 32
+    assert len(cfg.secret) == 32 and cfg.shard is False

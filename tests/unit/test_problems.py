@@ -147,7 +147,7 @@ def test_trainer_checks_name_their_kind():
     assert problem.text == "rank 3 left the data plane: gone"
 
     sender = SimpleNamespace(peer=SimpleNamespace(rank=1), caster=SimpleNamespace(dtype=None),
-                             flags=(False, False, False))
+                             flags=(False, False, False), parts={})
     mine = [_header(src=1)]
     held = {W: torch.zeros(8, 4)}
     assert PeerUpdate._problem(sender, _plan(), mine, held) is None

@@ -440,6 +440,7 @@ def test_front_doors_take_syncconfig_defaults():
     for name in ("timeout_s", "backend", "bucket_bytes", "host", "secret"):
         assert sig.parameters[name].default == default(name), name
     assert verl.parameters["timeout_s"].default == default("timeout_s")
+    assert sig.parameters["shard"].default is verl.parameters["shard"].default is default("shard")
     assert verl.parameters["bucket_size"].default == default("bucket_bytes")
     cfg = SyncConfig(control_port=1, group_port=2, world_size=2)
     assert cfg.timeout_s == default("timeout_s") and cfg.bucket_bytes == default("bucket_bytes")

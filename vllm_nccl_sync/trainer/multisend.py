@@ -101,6 +101,19 @@ def _held(named: Mapping[str, torch.Tensor], shard: bool
     return list(without_aliases(named)), None, {}
 
 
+def _holds(parts: Mapping[str, Block], s: Slot, shape: list[int]) -> bool:
+    """Whether a sender holding its tensor of slot `s` as `shape` (of those in `parts`, that
+    block only) holds what `s` carries: the whole tensor, or blocks inside the one it holds."""
+    part = parts.get(s.name)
+    if part is None:
+        return shape == s.shape
+    size = [z - a for a, z in zip(part.start, part.stop, strict=True)]
+    return shape == size and s.blocks is not None and all(
+        all(p0 <= b0 and b1 <= p1 for b0, b1, p0, p1
+            in zip(b.start, b.stop, part.start, part.stop, strict=True))
+        for b in s.blocks)
+
+
 class Coordinator(Sender):
     """Sender 0's update when there are several senders, as `send` takes it (see the module
     text): the offers gathered, the plan made and agreed by everyone, its own buckets posted
@@ -377,7 +390,7 @@ class PeerUpdate(Sender):
         rank, caster, bad = self.peer.rank, self.caster, set()
         for s in (s for h in mine for s in h.slots):
             t, want = by_name.get(s.name), DTYPES.get(s.dtype)
-            if t is None or not self._holds(s, list(t.shape)) or want is None:
+            if t is None or not _holds(self.parts, s, list(t.shape)) or want is None:
                 bad.add(s.name)
             elif t.dtype != want and caster.dtype is None and faithful(t.dtype, want):
                 by_name[s.name] = caster.to(t, want)
@@ -390,18 +403,6 @@ class PeerUpdate(Sender):
             return Problem(Kind.PLAN, f"sender {rank} pushes force/staged/full={self.flags}, the "
                                       f"coordinator {(plan.force, plan.staged, plan.full)}")
         return None
-
-    def _holds(self, s: Slot, shape: list[int]) -> bool:
-        """Whether this sender holds what slot `s` carries, its tensor held as `shape`: the
-        whole tensor, or (blocks) a block that contains every one of them."""
-        part = self.parts.get(s.name)
-        if part is None:
-            return shape == s.shape
-        size = [z - a for a, z in zip(part.start, part.stop, strict=True)]
-        return shape == size and s.blocks is not None and all(
-            all(p0 <= b0 and b1 <= p1 for b0, b1, p0, p1
-                in zip(b.start, b.stop, part.start, part.stop, strict=True))
-            for b in s.blocks)
 
     def checked(self, sums: dict[int, int]) -> int:
         """A failure here goes to the coordinator; its verdict (`Abort`) says why."""

@@ -148,7 +148,7 @@ def send(s: Sender, version: int, caster: Caster, *, staged: bool,
             raise
         raise err from e
     return PushResult(version, lane.posted, lane.bytes, lane.tensors, time.perf_counter() - t0,
-                      acks, s.per_sender(), s.per_receiver(), dict(caster.cast))
+                      acks, s.per_sender(), s.per_receiver(), cast=dict(caster.cast))
 
 
 def _failed(s: Sender, version: int, e: Exception) -> PushError:

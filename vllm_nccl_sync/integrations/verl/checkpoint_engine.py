@@ -15,6 +15,8 @@ Trainer side: actor rank 0 is rank 0 of the transfer group and streams verl's pe
 through `PushClient.push` (explicit headers, exact-length buckets, a timeout on every wait, the
 failure reported to every side); the other actor ranks only drain the generator (gathering a
 full tensor is collective over the actor group). `send_weights` returns the update's metrics.
+With `shard`, actor rank 0 collects the generator into a state dict first and pushes it shard
+to shard (to actor 0's own `engines` only, below).
 
 Engine side, two ways (the wire protocol is the same, so the trainer side does not change):
 
@@ -159,6 +161,11 @@ class VllmNcclSyncCheckpointEngine(_Base):
         rebuild_group: leave the group after every update (verl calls `finalize`), and build a
             new one for the next.
         force: let engines take a `global_steps` not newer than the one they hold.
+        shard: shard to shard (`SyncConfig.shard`): each worker gets only the blocks its
+            loaders read. Actor rank 0 then collects verl's generator into a state dict (every
+            full tensor held at once) instead of streaming it, and every receiver must publish
+            a read set: only `engines` do (verl's rollout workers load full tensors), so
+            `build_topology` refuses rollout workers.
         engines: actor rank 0 only: `EngineHandle`s of `Ext` engines it joins and updates
             itself, beside verl's rollout workers (see the module docstring).
     Defaults are `SyncConfig`'s.
@@ -177,6 +184,7 @@ class VllmNcclSyncCheckpointEngine(_Base):
         dtype: str | None = None,
         rebuild_group: bool = False,
         force: bool = False,
+        shard: bool = _DEFAULT["shard"],
         engines: list[EngineHandle] | None = None,
     ) -> None:
         self.bucket_size = int(bucket_size)
@@ -187,6 +195,7 @@ class VllmNcclSyncCheckpointEngine(_Base):
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.rebuild_group = rebuild_group
         self.force = force
+        self.shard = shard
         self.engines = list(engines or [])
         SyncConfig.check(**self._sync_fields(), door=type(self).__name__, spelling=_SPELLING)
         self.rank: int | None = None
@@ -210,7 +219,8 @@ class VllmNcclSyncCheckpointEngine(_Base):
     def _sync_fields(self) -> dict[str, Any]:
         """This engine's `SyncConfig` fields under SyncConfig's names (2: the least world)."""
         return {"host": self.host, "world_size": 2, "backend": self.transport,
-                "bucket_bytes": self.bucket_size, "timeout_s": self.timeout_s}
+                "bucket_bytes": self.bucket_size, "timeout_s": self.timeout_s,
+                "shard": self.shard}
 
     def sync_config(self, host: str) -> SyncConfig:
         """A fresh group's config: bound on `host`, free ports, a new secret (its world size
@@ -226,10 +236,15 @@ class VllmNcclSyncCheckpointEngine(_Base):
         """Rank 0: actor 0; ranks 1..: the rollout workers in verl's order, then the workers of
         actor 0's own `engines`; other actors: -1.
 
-        The group actor 0 already holds is kept when its size still fits, else a fresh one."""
+        The group actor 0 already holds is kept when its size still fits, else a fresh one.
+        Shard to shard refuses rollout workers (they publish no read set)."""
         master = metadata[0]["master"]
         if master is None:
             raise ValueError("actor rank 0 must be the checkpoint engine master (is_master=True)")
+        if master["fresh"].get("shard") and rollout_world_size:  # a default may be left out
+            raise ValueError(f"shard=True sends only to actor rank 0's own engines: verl's "
+                             f"{rollout_world_size} rollout worker(s) load full tensors and "
+                             "publish no read set")
         world = 1 + rollout_world_size + master.get("engines", 0)
         held = master["held"]
         cfg = held if held is not None and held["world_size"] == world else {
@@ -298,7 +313,8 @@ class VllmNcclSyncCheckpointEngine(_Base):
     # ------------------------------------------------------------------ data
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
-        """Push `(name, tensor)`s (a generator, sync or async) as version `global_steps`."""
+        """Push `(name, tensor)`s (a generator, sync or async) as version `global_steps`
+        (streamed; with `shard`, collected into a state dict first)."""
         if self.rank is None:
             raise RuntimeError("init_process_group() has not been called")
         if self.rank != 0:
@@ -311,11 +327,14 @@ class VllmNcclSyncCheckpointEngine(_Base):
         def push() -> Any:
             if device is not None:
                 torch.cuda.set_device(device)
+            named = _sync_iter(weights, loop)
+            if self.cfg.shard:  # PushClient sends a stream whole: shard to shard takes a dict
+                named = dict(named)
             bound = engine_call_s(self.cfg.timeout_s)
             calls = [partial(e.call, "nccl_sync_receive", self.cfg.timeout_s, timeout=bound)
                      for e in self.engines]
             pushed, answers = beside(
-                calls, partial(push_logged, self.client, _sync_iter(weights, loop), version,
+                calls, partial(push_logged, self.client, named, version,
                                dtype=self.dtype, force=self.force),
                 self.cfg.timeout_s, name="verl-push")
             return settle(version, pushed, answers, self.engines, self._offsets())

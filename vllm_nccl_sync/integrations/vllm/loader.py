@@ -229,6 +229,27 @@ class VllmWeightLoader:
         plan.rehearse(self._batch(named_tensors), self.model.load_weights)
         return plan
 
+    def rehearse_reads(self, named_tensors: list[tuple[str, torch.Tensor]],
+                       plan: CopyPlan) -> str:
+        """Record into `plan` what `load_weights` would copy of these tensors, whatever loads
+        layerwise (a worker's read set: `reads`); "" or why nothing can be recorded."""
+        if self._unpacked is not None:
+            return "an update is being loaded"
+        if self._fp8_blocks:
+            return "block-FP8 weights are quantized from whole tensors"
+        if self._layerwise() and self._lw_layers is None:
+            return "every layer loads layerwise"
+        plan.refresh(self._params())
+        plan.rehearse(self._batch(named_tensors), self.model.load_weights)
+        return ""
+
+    def layerwise_layers(self) -> list[str]:
+        """The names of the layers loaded layerwise (re-laid out after each load)."""
+        if not self._layerwise() or self._lw_layers is None:
+            return []
+        mine = {id(m) for m in self._lw_layers}
+        return [n for n, m in self.model.named_modules() if id(m) in mine]
+
     @torch.no_grad()
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
         """Load one batch through `model.load_weights` (a tied alias such as `lm_head.weight`

@@ -8,7 +8,9 @@ block are compared as the same offsets, sizes and strides once size-1 dimensions
 contiguous ones merged. On the CPU backend the packed (weight-less) linears get full-size weights
 for the rehearsal and their packed ones back after it (`patches.cpu_repack`), so their loaders
 shard as they do in an update. A tensor whose reads cannot be followed (a loader that computes,
-a refused replay, a view that is no block) is read whole, with the reason.
+a refused replay, a view that is no block) is read whole, with the reason, and so is a tensor
+copied into a layer that loads layerwise (re-laid out after loading: the CPU backend's MoE
+experts), whose loads are not replayed.
 
 Computed once per model object (`read_set_of`); vLLM is imported lazily.
 """
@@ -144,15 +146,19 @@ def _full_linears(model: torch.nn.Module) -> Iterator[None]:
 def _rehearsed(loader: Any, tensors: dict[str, tuple[str, list[int]]]) -> dict[str, Read]:
     """Each tensor's read by `loader` (a `VllmWeightLoader`), rehearsed one at a time."""
     out: dict[str, Read] = {}
+    layerwise = tuple(f"{n}." for n in loader.layerwise_layers())
     with _full_linears(loader.model):
         for name, (dtype, shape) in tensors.items():
             t = torch.empty(shape, dtype=DTYPES[dtype], device=loader.device)
             plan = CopyPlan()  # one per tensor: a loader that computes taints only its tensor
-            if loader.prepare([(name, t)], plan) is None or plan.off:
-                why = plan.off or "its loads are never replayed (layerwise or block-FP8 loading)"
-                out[name] = _read(dtype, shape, None, f"replay is off: {why}")
-                continue
+            why = loader.rehearse_reads([(name, t)], plan) or plan.off
+            why = f"its loads are not followed: {why}" if why else ""
             ops = [op for e in plan.entries.values() for op in e.ops]
+            if not why and (lw := [op.param for op in ops if op.param.startswith(layerwise)]):
+                why = f"its layer loads layerwise ({lw[0]} is re-laid out after loading)"
+            if why:
+                out[name] = _read(dtype, shape, None, why)
+                continue
             views = [op.src for op in ops if op.src is not None] if plan.entries else None
             out[name] = _read(dtype, shape, views, "its loader failed when rehearsed")
     return out

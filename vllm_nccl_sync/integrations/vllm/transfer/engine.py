@@ -33,7 +33,8 @@ class NcclSyncInitInfo(WeightTransferInitInfo):
 
     sync_config: dict[str, Any] | SyncConfig
     """`SyncConfig.to_dict()` of the trainer (or the `SyncConfig` itself): its address, ports,
-    world size, data plane; refused at construction if invalid."""
+    world size, data plane, `shard` (each worker then publishes its read set as it joins);
+    refused at construction if invalid."""
     rank_offset: int = 1
     """Transfer rank of this engine's first worker (1 for the first engine behind a trainer)."""
 

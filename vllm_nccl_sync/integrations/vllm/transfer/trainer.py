@@ -85,10 +85,15 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
     staged: bool = False
     """Workers load nothing until every bucket of every worker arrived and verified."""
     plan: bool | None = None
-    """Announce the whole update as a plan checked before any byte moves. None (auto): when the
-    source is a `ModuleSource` over unsharded parameters (free). True: always (the source is
-    materialized first, so sharded sources hold every gathered tensor at once). False: stream;
-    each bucket header is still checked before its bytes move."""
+    """Announce the whole update as a plan checked before any byte moves. None (auto): with
+    `shard`, or when the source is a `ModuleSource` over unsharded parameters (free). True:
+    always (the source is materialized first, so sharded sources hold every gathered tensor at
+    once). False: stream; each bucket header is still checked before its bytes move."""
+    shard: bool = _DEFAULT["shard"]
+    """`SyncConfig.shard`, shard to shard: every worker publishes its read set as it joins, and
+    each update sends it only the blocks its loaders read (gloo, nccl), from rank 0's full
+    tensors. The source is then pushed as a state dict (`plan`; False is refused), so a sharded
+    source's gathered tensors are held at once; adapters (`send_adapter`) still go whole."""
     master_address: str = ""
     """vLLM's name of `host`."""
     master_port: int = 0
@@ -125,6 +130,9 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
             raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
         SyncConfig.check(**self._sync_fields(), door=type(self).__name__,
                          spelling=self._spelling)
+        if self.shard and self.plan is False:
+            raise ValueError("shard=True pushes the source as a state dict; plan=False would "
+                             "stream it, every tensor whole")
 
     def _sync_fields(self) -> dict[str, Any]:
         """This info's `SyncConfig` fields under SyncConfig's names (`auto` resolved)."""
@@ -134,7 +142,7 @@ class NcclSyncTrainerInitInfo(TrainerInitInfo):
         return {"host": self.host, "control_port": self.control_port,
                 "group_port": self.group_port, "world_size": self.world_size,
                 "backend": backend, "bucket_bytes": self.bucket_bytes,
-                "timeout_s": self.timeout_s, "secret": self.secret}
+                "timeout_s": self.timeout_s, "secret": self.secret, "shard": self.shard}
 
     def sync_config(self) -> SyncConfig:
         """The `SyncConfig` this info names: ports of 0 become ports free now (each join)."""
@@ -296,14 +304,14 @@ class NcclSyncTrainerEngine(TrainerWeightTransferEngine):
     # ------------------------------------------------------------------ updates
 
     def _tensors(self) -> Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]:
-        """The source as a mapping (announced as a plan, checked before any byte moves) or as
-        a stream (each bucket header checked before its bytes move)."""
+        """The source as a mapping (announced as a plan, checked before any byte moves; shard
+        to shard needs one) or as a stream (each bucket header checked before its bytes move)."""
         plan = self.info.plan
         if plan is None:
             module = getattr(self.source, "_module", None) if isinstance(
                 self.source, ModuleSource) else None
-            plan = module is not None and not any(
-                callable(getattr(p, "full_tensor", None)) for p in module.parameters())
+            plan = self.info.shard or (module is not None and not any(
+                callable(getattr(p, "full_tensor", None)) for p in module.parameters()))
         return dict(iter(self.source)) if plan else iter(self.source)
 
     def _checked(self, tensors: Mapping | Iterable, dtype: torch.dtype | None,
