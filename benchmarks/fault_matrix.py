@@ -157,8 +157,8 @@ def _kill_at_broadcast(n: int, conn: Connection) -> None:
 
     real, calls = Transport.broadcast, [0]
 
-    def broadcast(self, tensor, src=0, *, length=None):
-        work = real(self, tensor, src, length=length)
+    def broadcast(self, tensor, src=0, *, length=None, to=None):
+        work = real(self, tensor, src, length=length, to=to)
         calls[0] += 1
         if calls[0] == n:
             _die(conn, f"after posting broadcast {n}")

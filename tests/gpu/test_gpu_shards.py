@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.multiproc.test_shard_to_shard import PLACES, READS, _reads_exactly, tensors
+from tests.multiproc.test_shard_to_shard import PLACES, READS, Keep, _reads_exactly, tensors
 from tests.procs import record_broadcasts, run_procs
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
@@ -32,27 +32,6 @@ def _gpus() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
 DEADLINE = 300
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
-
-
-class Keep:
-    """A loader that keeps a host copy of every tensor it is given."""
-
-    def __init__(self) -> None:
-        self.got: dict = {}
-
-    def begin(self) -> None:
-        pass
-
-    def load(self, named):
-        for n, t in named:
-            self.got[n] = t.float().cpu().numpy().copy()
-        return {n for n, _ in named}
-
-    def finish(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
 
 
 def trainer(cfg: dict, version: int) -> dict:

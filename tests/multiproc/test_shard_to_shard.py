@@ -63,7 +63,7 @@ class Keep:
 
     def load(self, named):
         for n, t in named:
-            self.got[n] = t.float().numpy().copy()  # by value across processes
+            self.got[n] = t.float().cpu().numpy().copy()  # by value across processes
         return {n for n, _ in named}
 
     def finish(self) -> None:
@@ -98,11 +98,13 @@ def trainer(cfg: dict, versions: list[int], swap: bool) -> dict:
     return out
 
 
-def worker(cfg: dict, rank: int, updates: int) -> dict:
+def worker(cfg: dict, rank: int, updates: int, senders: int = 1) -> dict:
+    """Worker `rank` (read set `rank - senders + 1`) taking `updates` updates: what it was
+    given, and what its data plane received."""
     sizes = record_broadcasts()  # what this worker's data plane received, bucket by bucket
-    replica, tp_rank, tp_size = PLACES[rank]
+    replica, tp_rank, tp_size = PLACES[rank - senders + 1]
     rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
-                  reads=READS[rank])
+                  reads=READS[rank - senders + 1])
     out = []
     for _ in range(updates):
         keep = Keep()
@@ -281,29 +283,12 @@ def fsdp_trainer(cfg: dict, rank: int, port: int, versions: list[int]) -> list[d
     return out
 
 
-def fsdp_worker(cfg: dict, rank: int, updates: int) -> dict:
-    """`worker` as rank `rank` of a group whose first two ranks are the trainer's."""
-    sizes = record_broadcasts()
-    replica, tp_rank, tp_size = PLACES[rank - 1]
-    rx = Receiver(SyncConfig(**cfg), rank, replica=replica, tp_rank=tp_rank, tp_size=tp_size,
-                  reads=READS[rank - 1])
-    out = []
-    for _ in range(updates):
-        keep = Keep()
-        s = rx.run(keep, timeout_s=60)
-        out.append({"ok": s.ok, "error": s.error, "bytes": s.bytes, "got": keep.got,
-                    "moved": sum(sizes)})
-        sizes.clear()
-    rx.close()
-    return {"updates": out}
-
-
 def test_two_fsdp_ranks_send_each_worker_only_the_intersections_they_hold():
     cfg = {**make_cfg(), "world_size": 5, "senders": [("127.0.0.1", free_port())]}
     port, versions = free_port(), [1, 2]
     t0, t1, *workers = run_procs(
         [(fsdp_trainer, (cfg, r, port, versions)) for r in (0, 1)]
-        + [(fsdp_worker, (cfg, r, len(versions))) for r in (2, 3, 4)], DEADLINE)
+        + [(worker, (cfg, r, len(versions), 2)) for r in (2, 3, 4)], DEADLINE)
     for i, v in enumerate(versions):
         sent = tensors(v)
         for rank, w in zip((2, 3, 4), workers):
