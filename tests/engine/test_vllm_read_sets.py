@@ -201,15 +201,15 @@ def test_an_fsdp2_trainer_feeds_both_engines_from_its_shards(engine, tp1, read_s
                                            for r in (0, 1)], 300)
         joins = [pool.submit(e.collective_rpc, "nccl_sync_join", timeout=90, args=(cfg, off))
                  for e, off in ((llm, 2), (tp1, 4))]
-        assert [w["rank"] for j in joins for w in j.result()] == [2, 3, 4]
+        assert [w["rank"] for j in joins for w in j.result(timeout=120)] == [2, 3, 4]
         for seed in seeds:
             calls = [pool.submit(e.collective_rpc, "nccl_sync_receive", timeout=120,
                                  args=(60.0,)) for e in (llm, tp1)]
-            summaries = [s for c in calls for s in c.result()]
+            summaries = [s for c in calls for s in c.result(timeout=180)]
             assert [(s["ok"], s["version"]) for s in summaries] == [(True, seed)] * 3, summaries
             want = hf_greedy(build_model(arch, seed), PROMPTS, 8)
             assert vllm_greedy(llm, PROMPTS, 8) == want and vllm_greedy(tp1, PROMPTS, 8) == want
-        pushed = trainers.result()
+        pushed = trainers.result(timeout=330)
     for rank, rs in zip((2, 3), read_sets):  # each TP=2 worker took its read set, no more
         reads = sum(r.numel() for r in rs.tensors.values()) * DTYPE.itemsize
         for push in pushed[0]:

@@ -25,7 +25,7 @@ from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, held_weights
 from vllm_nccl_sync.outcomes import Kind, Problem, clip
-from vllm_nccl_sync.wire.packing import chunk_key, overlaps, validate_header
+from vllm_nccl_sync.wire.packing import chunk_key, inside, overlaps, validate_header
 from vllm_nccl_sync.wire.protocol import (
     AdapterSpec,
     Block,
@@ -340,9 +340,7 @@ class Update:
             return (f"blocks of tensor {s.name!r} as {s.dtype}{s.shape}, which this worker "
                     f"reads as {read.dtype}{read.shape}")
         for b in s.blocks or ():
-            if not any(all(y0 <= x0 and x1 <= y1 for x0, x1, y0, y1
-                           in zip(b.start, b.stop, r.start, r.stop, strict=True))
-                       for r in read.blocks):
+            if not any(inside(b, r) for r in read.blocks):
                 return (f"block {b.start}..{b.stop} of tensor {s.name!r} is not one this "
                         "worker reads")
         return None

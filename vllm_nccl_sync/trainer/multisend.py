@@ -43,7 +43,7 @@ from vllm_nccl_sync.trainer.tensors import Caster, PushResult, faithful, without
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.deadline import Deadline
-from vllm_nccl_sync.wire.packing import DTYPES, alone_bytes, dtype_name
+from vllm_nccl_sync.wire.packing import DTYPES, alone_bytes, dtype_name, inside
 from vllm_nccl_sync.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -108,10 +108,7 @@ def _holds(parts: Mapping[str, Block], s: Slot, shape: list[int]) -> bool:
     if part is None:
         return shape == s.shape
     size = [z - a for a, z in zip(part.start, part.stop, strict=True)]
-    return shape == size and s.blocks is not None and all(
-        all(p0 <= b0 and b1 <= p1 for b0, b1, p0, p1
-            in zip(b.start, b.stop, part.start, part.stop, strict=True))
-        for b in s.blocks)
+    return shape == size and s.blocks is not None and all(inside(b, part) for b in s.blocks)
 
 
 class Coordinator(Sender):

@@ -27,7 +27,7 @@ import torch
 
 from vllm_nccl_sync.engine.handshake import Reference
 from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
-from vllm_nccl_sync.wire.packing import DTYPES
+from vllm_nccl_sync.wire.packing import DTYPES, inside
 from vllm_nccl_sync.wire.reads import MAX_BLOCKS, Block, Read, ReadSet, overlaps, whole
 
 View = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -87,20 +87,14 @@ def _joined(a: Block, b: Block) -> Block | None:
     return None
 
 
-def _inside(a: Block, b: Block) -> bool:
-    """Whether every element of `a` is in `b`."""
-    return all(y0 <= x0 and x1 <= y1
-               for x0, x1, y0, y1 in zip(a.start, a.stop, b.start, b.stop, strict=True))
-
-
 def merged(blocks: list[Block]) -> list[Block]:
     """`blocks` as fewer that read the same: empty ones and ones inside another dropped,
     neighbours that touch or overlap joined."""
     out: list[Block] = []
     for b in blocks:
-        if b.numel() == 0 or any(_inside(b, o) for o in out):
+        if b.numel() == 0 or any(inside(b, o) for o in out):
             continue
-        out = [o for o in out if not _inside(o, b)]
+        out = [o for o in out if not inside(o, b)]
         joined = True
         while joined:
             joined = False
@@ -108,7 +102,7 @@ def merged(blocks: list[Block]) -> list[Block]:
                 if (j := _joined(o, b)) is not None:
                     out.pop(i)
                     b, joined = j, True
-                    out = [o for o in out if not _inside(o, b)]
+                    out = [o for o in out if not inside(o, b)]
                     break
         out.append(b)
     return out
