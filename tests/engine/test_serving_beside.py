@@ -29,6 +29,7 @@ from vllm_nccl_sync.integrations.vllm.handles import AsyncLLMHandle
 from vllm_nccl_sync.outcomes import CARRY_RPC
 from vllm_nccl_sync.tiny import PROMPTS, build_model, engine_kwargs, hf_greedy, make_model
 from vllm_nccl_sync.trainer.sync import WeightSync
+from vllm_nccl_sync.trainer.tensors import without_aliases
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
@@ -372,3 +373,25 @@ def test_a_trainer_killed_mid_receive_leaves_the_served_weights(engine):
     finally:
         fresh.close()
 
+
+
+def test_shard_to_shard_beside_serving_keeps_only_each_workers_blocks(engine):
+    """Received beside serving shard to shard, each worker's shadow keeps only its own blocks
+    (about half the model on TP=2, where a broadcast keeps the whole model in each), and after
+    the swap the engine answers as transformers does."""
+    llm, loop, _ = engine
+    shard = WeightSync([AsyncLLMHandle(llm, loop)], bucket_bytes=BUCKET, timeout_s=60, shard=True)
+    try:
+        shard.connect()
+        model = build_model("qwen2", seed=12)
+        result = shard.update(model.state_dict(), 12, beside=True)
+        assert greedy(llm, loop, "after-12") == hf_greedy(model, PROMPTS, MAX_TOKENS)
+        kept = {r["rank"]: r["shadow_kept"] for e in shard.state() for r in e}
+    finally:
+        shard.close()
+    model_bytes = sum(t.nbytes for _, t in without_aliases(model.state_dict()))
+    got = {a.rank: a.bytes for a in result.acks}
+    assert set(kept) == set(got) == {1, 2}
+    for rank, n in kept.items():
+        print(f"rank {rank}: the shadow kept {n / model_bytes:.3f} of the model (broadcast: 1)")
+        assert 0 < n < 0.6 * model_bytes and n <= got[rank]  # what arrived, no more

@@ -122,18 +122,21 @@ def tp1(engine):
     llm.llm_engine.engine_core.shutdown()
 
 
-def test_one_push_feeds_a_tp2_and_a_tp1_engine_shard_to_shard(engine, tp1, read_sets):
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_one_push_feeds_a_tp2_and_a_tp1_engine_shard_to_shard(engine, tp1, read_sets, backend):
     """Each TP=2 worker receives its read set (counted at its data plane), the TP=1 worker the
-    whole model, and both engines then answer as transformers does, over two updates."""
+    whole model, and both engines then answer as transformers does, over two updates; over gloo
+    in place, and over shared memory staged (each worker keeps only its blocks until the commit
+    makes them whole)."""
     arch, _, llm = engine
     sync = WeightSync([LLMHandle(llm), LLMHandle(tp1)], bucket_bytes=256 * 1024, timeout_s=60,
-                      shard=True)
+                      shard=True, backend=backend)
     try:
         sync.connect()
         assert [sync.client.reads[r] for r in (1, 2)] == read_sets
-        for version in (5, 7):
+        for version in {"gloo": (3, 5), "shm": (6, 7)}[backend]:  # the FSDP test's: 9, 11
             model = build_model(arch, seed=version)
-            result = sync.update(model.state_dict(), version=version)
+            result = sync.update(model.state_dict(), version=version, staged=backend == "shm")
             want = hf_greedy(model, PROMPTS, 8)
             assert vllm_greedy(llm, PROMPTS, 8) == want and vllm_greedy(tp1, PROMPTS, 8) == want
             got = {a.rank: a.bytes for a in result.acks}

@@ -7,7 +7,9 @@ DTensor), workers on the next GPUs. Each worker must end with exactly its read s
 elsewhere), and its data plane must have received its planned bytes.
 
 Needs 4 CUDA GPUs for the trainer-and-three-workers case and 5 for the FSDP case (skipped
-otherwise): `python -m pytest -q -m gpu tests/gpu/test_gpu_shards.py`.
+otherwise). On one GPU, the trainer and the three workers share it over CUDA IPC (`ipc`): each
+worker copies only its own buckets out of the trainer's two shared buffers, in place and staged.
+`python -m pytest -q -m gpu tests/gpu/test_gpu_shards.py`.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ DEADLINE = 300
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
 
 
-def trainer(cfg: dict, version: int) -> dict:
+def trainer(cfg: dict, version: int, staged: bool = False) -> dict:
     dev = torch.device("cuda", 0)
     client = PushClient(SyncConfig(**cfg), dev)
     client.connect()
-    r = client.push({n: t.to(dev) for n, t in tensors(version).items()}, version)
+    r = client.push({n: t.to(dev) for n, t in tensors(version).items()}, version, staged=staged)
     client.close()
     return {"per_receiver": r.per_receiver}
 
@@ -82,6 +84,16 @@ def _check(workers: list[dict], per_receiver: dict[int, int], senders: int) -> N
         for name, t in sent.items():
             assert _reads_exactly(w["got"][name], t, read.tensors[name]), (rank, name)
         assert w["moved"] == w["bytes"] == per_receiver[rank] >= nbytes(read)
+
+
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("staged", [False, True])
+def test_one_gpu_shared_by_the_trainer_and_every_worker_over_cuda_ipc(staged):
+    cfg = dict(control_port=free_port(), group_port=free_port(), world_size=4, backend="ipc",
+               bucket_bytes=8 * 1024, timeout_s=60.0, shard=True)
+    pushed, *workers = run_procs([(trainer, (cfg, 1, staged))]
+                                 + [(worker, (cfg, r, 1, 0)) for r in (1, 2, 3)], DEADLINE)
+    _check(workers, pushed["per_receiver"], 1)
 
 
 @pytest.mark.skipif(_gpus() < 4, reason="needs 4 CUDA GPUs")

@@ -1,5 +1,6 @@
-"""Shard to shard over real ZeroMQ sockets and a real gloo group, without vLLM: a trainer and the
-workers of a TP=2 engine plus a TP=1 engine, each worker publishing a read set of its own.
+"""Shard to shard over real ZeroMQ sockets and a real gloo group (or the `shm` plane), without
+vLLM: a trainer and the workers of a TP=2 engine plus a TP=1 engine, each worker publishing a read
+set of its own.
 
 What each worker was given shows which bytes reached it: the elements it reads hold the
 trainer's values, every other element NaN (`packing.Reassembler`)."""
@@ -73,12 +74,12 @@ class Keep:
         pass
 
 
-def make_cfg() -> dict:
+def make_cfg(backend: str = "gloo") -> dict:
     return dict(control_port=free_port(), group_port=free_port(), world_size=4,
-                bucket_bytes=8 * 1024, timeout_s=30.0, shard=True)
+                bucket_bytes=8 * 1024, timeout_s=30.0, shard=True, backend=backend)
 
 
-def trainer(cfg: dict, versions: list[int], swap: bool) -> dict:
+def trainer(cfg: dict, versions: list[int], swap: bool, staged: bool = False) -> dict:
     client = PushClient(SyncConfig(**cfg))
     client.connect()
     out: dict = {"pushes": []}
@@ -91,7 +92,7 @@ def trainer(cfg: dict, versions: list[int], swap: bool) -> dict:
             out["refused"] = str(e)
         client.reads[1], client.reads[2] = client.reads[2], client.reads[1]
     for v in versions:
-        r = client.push(tensors(v), v)
+        r = client.push(tensors(v), v, staged=staged)
         out["pushes"].append({"bytes": r.bytes, "per_receiver": r.per_receiver,
                               "buckets": r.buckets})
     client.close()
@@ -125,11 +126,14 @@ def _reads_exactly(got, sent: torch.Tensor, read: Read) -> bool:
     return torch.equal(got[mask], sent[mask]) and bool(got[~mask].isnan().all())
 
 
-def test_each_worker_receives_exactly_its_read_set():
-    cfg = make_cfg()
+@pytest.mark.parametrize(("backend", "staged"), [("gloo", False), ("shm", False), ("shm", True)])
+def test_each_worker_receives_exactly_its_read_set(backend, staged):
+    """Over gloo and shared memory, in place and staged (the blocks kept compact until the
+    commit makes them whole)."""
+    cfg = make_cfg(backend)
     versions = [1, 2]
     sender, *workers = run_procs(
-        [(trainer, (cfg, versions, False))]
+        [(trainer, (cfg, versions, False, staged))]
         + [(worker, (cfg, r, len(versions))) for r in (1, 2, 3)], DEADLINE)
     for i, v in enumerate(versions):
         sent, push = tensors(v), sender["pushes"][i]
@@ -231,10 +235,11 @@ def rejoining_worker(cfgs: tuple[dict, dict], rank: int, senders: int = 1) -> di
     return {"updates": out}
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_a_trainer_killed_mid_update_is_reported_and_a_rejoin_restores(staged):
-    first = {**make_cfg(), "timeout_s": 10.0}
-    second = make_cfg()
+@pytest.mark.parametrize(("staged", "backend"), [(False, "gloo"), (True, "gloo"),
+                                                  (False, "shm")])
+def test_a_trainer_killed_mid_update_is_reported_and_a_rejoin_restores(staged, backend):
+    first = {**make_cfg(backend), "timeout_s": 10.0}
+    second = make_cfg(backend)
     _, again, *workers = run_procs(
         [(dying_trainer, (first, staged)), (second_trainer, (second,))]
         + [(rejoining_worker, ((first, second), r)) for r in (1, 2, 3)], DEADLINE,

@@ -154,7 +154,7 @@ def test_one_session_joins_receives_reports_and_outlives_rejoins(trainers):
     assert session.report() == {"joined": False, "rank": -1, "version": -1, "consistent": True,
                                 "updates": 0, "failures": 0, "bytes": 0, "last_seconds": 0.0,
                                 "last_error": "", "adapters": {}, "beside": "",
-                                "shadow_bytes": 0, "asleep": [], "discarded": ""}
+                                "shadow_bytes": 0, "shadow_kept": 0, "asleep": [], "discarded": ""}
     ptrs = session.param_ptrs()
     first = trainers()
     hello = first.join(session, Placement(1, details={"host": "here"}), ModuleLoader(model),

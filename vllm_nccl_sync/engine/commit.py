@@ -18,9 +18,24 @@ from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import WeightLoader
 from vllm_nccl_sync.engine.update import Update
 from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, clip
+from vllm_nccl_sync.wire.packing import wholes
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, Ack, Commit, Seal
 
 log = logging.getLogger(__name__)
+
+
+def _prepare(loader: WeightLoader, u: Update) -> None:
+    """Let the loader prepare the swap of update `u`'s staged tensors (where it can: replay
+    recorded ahead), while the engine still serves."""
+    prepare = getattr(loader, "prepare", None)
+    if prepare is None:
+        return
+    try:
+        for batch in wholes(u.staged_tensors, u.capacity):
+            prepare(batch)
+    except Exception:  # noqa: BLE001 - only a head start: the load does it all
+        log.exception("preparing the loader failed")
+    u.mark("prepared")
 
 
 class CommitRound:
@@ -47,13 +62,8 @@ class CommitRound:
 
     def run(self, loader: WeightLoader, u: Update) -> None:
         """`Ack(1)`, `Commit(1)`; staged: then load everything, `Ack(2)`, `Commit(2)`."""
-        prepare = getattr(loader, "prepare", None)
-        if u.beside is not None and prepare is not None:  # before Ack: the swap comes after it
-            try:
-                prepare(u.staged_tensors)
-            except Exception:  # noqa: BLE001 - only a head start: the load does it all
-                log.exception("preparing the loader failed")
-            u.mark("prepared")
+        if u.beside is not None:  # before Ack: the swap comes after it
+            _prepare(loader, u)
         self._ack(1, u)
         u.mark("acked")
         if u.staged:
@@ -78,7 +88,8 @@ class CommitRound:
                 loader.begin()
                 u.began = True
                 u.mark("begun")
-                loader.load(u.staged_tensors)
+                for batch in wholes(u.staged_tensors, u.capacity):  # blocks made whole
+                    loader.load(batch)
                 u.staged_tensors = []
                 u.mark("copied")  # the copies queued; next, the post-load rule
                 loader.finish()

@@ -36,7 +36,7 @@ from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary, 
 from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
-from vllm_nccl_sync.wire.packing import Reassembler, align_up, tensor_nbytes
+from vllm_nccl_sync.wire.packing import Blocks, Reassembler, align_up, tensor_nbytes
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     AdapterSpec,
@@ -48,6 +48,7 @@ from vllm_nccl_sync.wire.protocol import (
     ReadSet,
     Ready,
     Seal,
+    TensorSpec,
     UnreadablePlan,
 )
 
@@ -158,10 +159,12 @@ class Receiver:
             if plan.adapter is not None:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
-            if not u.staged:  # staged updates keep whole copies anyway
+            if not u.staged:  # staged updates keep copies anyway (of their blocks only)
                 re = Reassembler(getattr(loader, "load_rows", None), self.reads)
             elif beside is not None:  # large tensors go into the shadow as their rows arrive
-                re = Reassembler(beside.shadow.load_rows, self.reads)
+                re = Reassembler(beside.shadow.load_rows, self.reads, beside.shadow.keep)
+            else:
+                re = Reassembler(reads=self.reads, keep_blocks=torch.clone)
             with self.plane.armed(self.verdict_s, f"update {u.version}"):
                 self._buckets(loader, re, u)
                 self._round.run(loader, u)
@@ -217,11 +220,20 @@ class Receiver:
             return Problem(Kind.SHADOW, f"{where}: an update received beside serving must be "
                            "staged (push it with staged=True; WeightSync.update(beside=True) does)")
         try:
-            nbytes = sum(align_up(tensor_nbytes(t.dtype, t.shape)) for t in plan.tensors)
+            nbytes = sum(self._kept_bytes(t) for t in plan.tensors)
         except (KeyError, ValueError) as e:
             return Problem(Kind.PLAN, f"{where}: {clip(str(e))}")
         problem = u.beside.shadow.reserve(nbytes)
         return problem.at(where) if problem else None
+
+    def _kept_bytes(self, t: TensorSpec) -> int:
+        """Room the shadow keeps for tensor `t`: the blocks this worker reads of it (shard to
+        shard: what is sent to it), else all of it."""
+        read = (self.reads or {}).get(t.name)
+        if read is None or read.shape != t.shape or read.dtype != t.dtype:
+            return align_up(tensor_nbytes(t.dtype, t.shape))
+        itemsize = tensor_nbytes(t.dtype, [1])
+        return sum(align_up(b.numel() * itemsize) for b in read.blocks)
 
     def _pump(self, u: Update, want: Callable[[], bool], what: str) -> None:
         """Handle the sender's messages until `want()` holds, within one deadline: a stream's
@@ -354,7 +366,8 @@ class Receiver:
             u.ntensors += len(named) + re.loaded_by_rows - by_rows
             if u.staged:
                 keep = u.beside.shadow.keep if u.beside is not None else torch.clone
-                u.staged_tensors += [(n, keep(t)) for n, t in named]
+                u.staged_tensors += [(n, t if isinstance(t, Blocks) else keep(t))
+                                     for n, t in named]  # blocks: kept as they arrived
                 if u.beside is not None:
                     u.staged_tensors += u.beside.shadow.take_completed()
             elif (named or header.is_last) and (ready := u.batched(named, header)) is not None:

@@ -215,6 +215,7 @@ class EngineSession:
                 "last_error": st.last_error, "adapters": dict(st.adapters),
                 "beside": self._beside.stage if self._receiving_beside else "",
                 "shadow_bytes": self._shadow.nbytes if self._shadow is not None else 0,
+                "shadow_kept": self._shadow.kept if self._shadow is not None else 0,
                 **held}
 
     def adapters(self) -> dict[str, Any]:

@@ -13,7 +13,8 @@ A failure before the gate leaves the serving weights untouched (nothing was load
 failure during the swap leaves the engine reporting inconsistent, as an in-place update does.
 
 What the shadow holds: the update's tensors as they arrived (the trainer's names, dtypes and full
-shapes), on the engine's device (`place="device"`) or in host memory (`"host"`: pinned on a GPU
+shapes; shard to shard, only the blocks this worker reads of a tensor it reads some of, made
+whole in batches during the swap: `packing.wholes`), on the engine's device (`place="device"`) or in host memory (`"host"`: pinned on a GPU
 engine, so the swap is host-to-device copies). One arena, sized from the plan and kept between
 updates; a streamed update (no tensor list in its plan) takes one allocation per tensor. A
 tensor larger than a bucket is copied in chunk by chunk as its rows arrive.
@@ -66,6 +67,8 @@ class Shadow:
         self._available = available
         self._arena: torch.Tensor | None = None
         self._used = 0
+        self.kept = 0
+        """Bytes the update in progress (or the last one) kept here."""
         self._open: dict[str, torch.Tensor] = {}
         self.completed: list[tuple[str, torch.Tensor]] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -81,7 +84,7 @@ class Shadow:
 
     def reserve(self, nbytes: int) -> Problem | None:
         """Begin an update: hold an arena of at least `nbytes`; why not (None if it fits)."""
-        self._used, self._open, self.completed = 0, {}, []
+        self._used, self.kept, self._open, self.completed = 0, 0, {}, []
         need = nbytes + _ALIGN * 4096
         if self.nbytes >= nbytes:
             return None
@@ -99,6 +102,7 @@ class Shadow:
     def _take(self, dtype: torch.dtype, shape: list[int] | torch.Size) -> torch.Tensor:
         """Room for one tensor: in the arena while it lasts, else an allocation of its own."""
         n = math.prod(shape) * dtype.itemsize
+        self.kept += n
         arena = self._arena
         if arena is not None and self._used + n <= arena.numel():
             out = arena[self._used:self._used + n].view(dtype).view(shape)

@@ -70,8 +70,8 @@ class Transport(abc.ABC):
     peer_harm: ClassVar[str]
     """What a peer (a hostile or dying sender or receiver) can do to this process."""
     reaches_some: ClassVar[bool] = False
-    """True (gloo, nccl): a bucket can go point to point to some receivers only (`broadcast`'s
-    `to`: shard to shard); the same-host planes share one pair of buffers among all receivers."""
+    """True (every plane here): a bucket can go to some receivers only (`broadcast`'s `to`:
+    shard to shard); a plane that cannot says False, and such buckets are refused on it."""
     shares_buffers: ClassVar[bool] = False
     """True (same-host planes, `shared`): the sender's two bucket buffers are mapped by every
     receiver (`shared_buffers()`); the sender packs every bucket into them, receivers load from

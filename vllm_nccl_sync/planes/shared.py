@@ -9,13 +9,16 @@ at all (`export`/`mapped`: the plane's `_share`/`_map`, the registry in `segment
 receiver maps their storages once and reads them where they lie, one copy per byte.
 
 Synchronisation is a control block in host shared memory (one 64-bit word each, written by one
-side only): per buffer the sender publishes which collective it holds and its exact length; per
-receiver and buffer, the receiver publishes the last collective it is done with. A receiver's
+side only). Collectives are counted per receiver (a bucket for some receivers only, shard to
+shard, counts for them alone: `reaches_some`): per buffer the sender publishes its exact length
+and, per receiver the bucket is for, which of that receiver's collectives it holds; per receiver
+and buffer, the receiver publishes the last of its collectives it is done with. A receiver's
 `wait` returns once its collective is published and checks the published length against the
 header's (a sender writing another size is refused, nothing of it is loaded); the sender's
-`wait` for a buffer returns once every live receiver released it, so it never overwrites bytes a
-receiver still reads. Each side publishes only after its own work on the buffer has executed
-(on CUDA: observed complete in its own process), not when it was merely queued.
+`wait` for a buffer returns once every live receiver of the bucket released it, so it never
+overwrites bytes a receiver still reads (the lane waits for each bucket before refilling its
+buffer). Each side publishes only after its own work on the buffer has executed (on CUDA:
+observed complete in its own process), not when it was merely queued.
 
 Every wait polls with a deadline (`timeout_s`) and checks that the peer's process is alive: a
 receiver that dies is `lost` at once, a sender that dies fails the receiver's wait at once.
@@ -55,12 +58,24 @@ from vllm_nccl_sync.planes.segments import Exports, Mappings
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.protocol import Source
 
-MAGIC = 0x766E735F73686D31  # "vns_shm1"
+MAGIC = 0x766E735F73686D32  # "vns_shm2"
 _CTRL = 4096
 """Bytes of the control block: its own shared memory, handed over with the buffers."""
-_READY, _LENGTH = 2, 4  # words: ready[2] (collective number + 1), length[2]
-_RELEASED = 8  # words: released[rank][2] from here, ranks 1..world-1
+_LENGTH = 4  # words: length[2]
+_RANKS = 8  # words from here, per receiver rank r (1..world-1): released[2], ready[2]
 _LIVENESS_S = 0.05
+
+
+def _released(r: int, i: int) -> int:
+    """The word where receiver `r` publishes the last of its collectives in buffer `i` it is
+    done with (+ 1)."""
+    return _RANKS + 4 * r + i
+
+
+def _ready(r: int, i: int) -> int:
+    """The word where the sender publishes which of receiver `r`'s collectives buffer `i` holds
+    (+ 1)."""
+    return _RANKS + 4 * r + 2 + i
 
 
 def _alive(pid: int) -> bool:
@@ -90,9 +105,10 @@ class _Group:
 
 
 class _Posted:
-    """One broadcast on a shared plane: `wait` polls the control block (see the module)."""
+    """One broadcast on a shared plane: `wait` polls the control block (see the module).
+    `n`: per receiver it is for, the number of that receiver's collective."""
 
-    def __init__(self, plane: SharedTransport, i: int, n: int, length: int) -> None:
+    def __init__(self, plane: SharedTransport, i: int, n: dict[int, int], length: int) -> None:
         self.plane, self.i, self.n, self.length = plane, i, n, length
         self.done = False
 
@@ -107,6 +123,7 @@ class SharedTransport(Transport):
     """A same-host plane: shared bucket buffers and a control block (see the module)."""
 
     shares_buffers: ClassVar[bool] = True
+    reaches_some = True
     canary_bytes = 0
 
     def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
@@ -114,10 +131,11 @@ class SharedTransport(Transport):
         self._mappings = Mappings(self._segment)  # what a receiver mapped of it (`mapped`)
         self._timeout_s = cfg.timeout_s
         self._bucket_bytes = cfg.bucket_bytes
-        self._n = 0  # collectives posted so far (both sides count alike)
-        self._last = [-1, -1]  # the collective each buffer last held
-        if _RELEASED + 2 * cfg.world_size > _CTRL // 8:
-            raise ValueError(f"a shared plane serves at most {_CTRL // 16 - 4} receivers")
+        self._n = [0] * cfg.world_size  # per receiver, its collectives so far (both sides)
+        self._last = [-1, -1]  # a receiver's: its collective each buffer last held
+        if _ready(cfg.world_size - 1, 1) >= _CTRL // 8:
+            raise ValueError(f"a shared plane serves at most {(_CTRL // 8 - _RANKS) // 4 - 1} "
+                             "receivers")
         keep: list[Any] = []
         if self.rank == 0:
             peer: Hub | Link = Hub(cfg.secret_bytes, cfg.timeout_s)
@@ -271,38 +289,46 @@ class SharedTransport(Transport):
                          "buffers (shared_buffers())")
 
     def _post(self, tensor: torch.Tensor, src: int, to: Collection[int] | None) -> Handle:
-        i, n = self._index(tensor), self._n
-        self._n += 1
-        self._last[i] = n
+        i = self._index(tensor)
+        ranks = [self.rank] if self.rank != src else \
+            range(1, self.world_size) if to is None else sorted(to)
+        n = {r: self._n[r] for r in ranks}
+        for r in ranks:
+            self._n[r] += 1
+        if self.rank != src:
+            self._last[i] = n[self.rank]
+            return _Posted(self, i, n, tensor.numel())
         ctrl = self.pg.ctrl
-        if self.rank == src:
-            self._written(i)
-            ctrl[_LENGTH + i] = tensor.numel()
-            ctrl[_READY + i] = n + 1  # last: the length is in place before a receiver sees it
+        self._written(i)
+        ctrl[_LENGTH + i] = tensor.numel()
+        for r, k in n.items():  # last: the length is in place before a receiver sees it
+            ctrl[_ready(r, i)] = k + 1
         return _Posted(self, i, n, tensor.numel())
 
     def _wait(self, p: _Posted) -> None:
-        """Host side of a broadcast: the sender waits until every live receiver released buffer
-        `p.i`; a receiver until the sender published collective `p.n` (its length checked)."""
+        """Host side of a broadcast: the sender waits until every live receiver of it released
+        buffer `p.i`; a receiver until the sender published its collective (length checked)."""
         ctrl, deadline = self.pg.ctrl, time.monotonic() + self._timeout_s
         delay, checked = 1e-6, time.monotonic()
         if self.rank == 0:
-            waiting = [r for r in range(1, self.world_size) if r not in self.lost]
+            waiting = [r for r in p.n if r not in self.lost]
+        else:
+            n = p.n[self.rank]
         while True:
             if self.pg.aborted:
                 raise RuntimeError(f"{self.backend} plane aborted: {self.pg.aborted}")
             if self.rank == 0:
-                waiting = [r for r in waiting if int(ctrl[_RELEASED + 2 * r + p.i]) <= p.n]
+                waiting = [r for r in waiting if int(ctrl[_released(r, p.i)]) <= p.n[r]]
                 if not waiting:
                     return
-            elif (got := int(ctrl[_READY + p.i])) > p.n:
-                if got != p.n + 1:
+            elif (got := int(ctrl[_ready(self.rank, p.i)])) > n:
+                if got != n + 1:
                     raise RuntimeError(f"{self.backend} plane: buffer {p.i} holds collective "
-                                       f"{got - 1}, this receiver expected {p.n}")
+                                       f"{got - 1}, this receiver expected {n}")
                 length = int(ctrl[_LENGTH + p.i])
                 if length != p.length:
                     raise RuntimeError(f"{self.backend} plane: the sender published {length} "
-                                       f"bytes for collective {p.n}, the header said {p.length}")
+                                       f"bytes for collective {n}, the header said {p.length}")
                 return
             now = time.monotonic()
             if now - checked > _LIVENESS_S:
@@ -317,19 +343,21 @@ class SharedTransport(Transport):
     def _give_up(self, p: _Posted, dead: list[int]) -> None:
         how = "exited" if dead else f"did not answer within {self._timeout_s:.1f} s"
         if self.rank != 0:
-            raise RuntimeError(f"{self.backend} plane: the sender {how} (collective {p.n})")
+            raise RuntimeError(f"{self.backend} plane: the sender {how} "
+                               f"(collective {p.n[self.rank]})")
         ctrl = self.pg.ctrl
-        late = dead or [r for r in range(1, self.world_size) if r not in self.lost
-                        and int(ctrl[_RELEASED + 2 * r + p.i]) <= p.n]
+        late = dead or [r for r in p.n if r not in self.lost
+                        and int(ctrl[_released(r, p.i)]) <= p.n[r]]
         self.lost.update(late)
-        raise PeerFailed(f"{self.backend} plane: rank {late[0]} {how} (collective {p.n})", late[0])
+        raise PeerFailed(f"{self.backend} plane: rank {late[0]} {how} "
+                         f"(collective {p.n[late[0]]})", late[0])
 
     def release(self, i: int) -> None:
         """A receiver is done with buffer `i` (its reads so far, on CUDA: once they executed)."""
         if self.rank == 0 or self._last[i] < 0:
             return
         self._read(i)
-        self.pg.ctrl[_RELEASED + 2 * self.rank + i] = self._last[i] + 1
+        self.pg.ctrl[_released(self.rank, i)] = self._last[i] + 1
 
     def release_all(self) -> None:
         """A receiver gives back every buffer (an update ended early)."""

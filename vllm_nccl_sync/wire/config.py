@@ -113,9 +113,6 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.backend in SAME_HOST and self.senders:
             raise ValueError(f"the {self.backend} plane takes one sender (its buffers are the "
                              "sender's memory); several senders need gloo or nccl")
-        if self.shard and self.backend in SAME_HOST:
-            raise ValueError("shard to shard runs on the gloo and nccl planes (refused for now: "
-                             f"backend={self.backend!r})")
         if self.world_size < self.num_senders + 1:
             raise ValueError(f"world_size {self.world_size} must be >= {self.num_senders + 1} "
                              f"({self.num_senders} sender(s) and a receiver)")

@@ -12,7 +12,8 @@ the tensor first.
 Shard to shard, a slot may carry only some blocks of its tensor (`Slot.blocks`): the sender cuts
 them out (`Region`), and the receiver writes them into the tensor's shape where the worker's
 loaders read them (`Reassembler`, given the worker's read set); the rest of that tensor holds NaN
-(zeros for integers), which no loader of that worker reads.
+(zeros for integers), which no loader of that worker reads. A staged update keeps the blocks
+compact instead (`Blocks`) and writes them into their tensors only when it loads (`wholes`).
 """
 
 from __future__ import annotations
@@ -402,16 +403,56 @@ def chunk_key(s: Slot) -> str | tuple:
     return s.name, tuple((tuple(b.start), tuple(b.stop)) for b in s.blocks)
 
 
-def _blank(s: Slot, device: torch.device) -> torch.Tensor:
-    """A tensor of `s`'s dtype and shape that blocks are written into: NaN where it is floating
+def _blank(name: str, dtype: torch.dtype, shape: list[int], device: torch.device) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` that blocks are written into: NaN where it is floating
     point (zeros else), so that an element no block wrote shows rather than passes."""
-    dtype = DTYPES[s.dtype]
     fill = float("nan") if dtype.is_floating_point else 0
     try:
-        return torch.full(s.shape, fill, dtype=dtype, device=device)
+        return torch.full(shape, fill, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:  # includes torch.OutOfMemoryError
-        raise ValueError(f"tensor {s.name!r}: cannot allocate its shape {s.shape} to write "
+        raise ValueError(f"tensor {name!r}: cannot allocate its shape {shape} to write "
                          f"its blocks into: {e}") from None
+
+
+class Blocks:
+    """The blocks of a tensor this worker reads, held compact (a staged update keeps only
+    them: TP x less memory than the tensor) until `whole()` writes them into a tensor of its
+    full shape, NaN elsewhere, for the loader."""
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: list[int]) -> None:
+        self.name, self.dtype, self.shape = name, dtype, shape
+        self.parts: list[tuple[Block, torch.Tensor]] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor `whole()` makes."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def whole(self) -> torch.Tensor:
+        device = self.parts[0][1].device if self.parts else torch.device("cpu")
+        out = _blank(self.name, self.dtype, self.shape, device)
+        for b, part in self.parts:
+            out[block_index(b)].copy_(part)
+        return out
+
+
+def wholes(staged: list[tuple[str, torch.Tensor | Blocks]],
+           limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`staged` in batches for the loader, each tensor held as `Blocks` made whole; a batch
+    ends once the tensors made whole in it exceed `limit` bytes (so at most about that much is
+    held beside the blocks), and is one batch when there are none."""
+    batch: list[tuple[str, torch.Tensor]] = []
+    made = 0
+    for name, t in staged:
+        if isinstance(t, Blocks):
+            made += t.nbytes
+            t = t.whole()
+        batch.append((name, t))
+        if made > limit:
+            yield batch
+            batch, made = [], 0
+    if batch:
+        yield batch
 
 
 class Reassembler:
@@ -421,18 +462,23 @@ class Reassembler:
     whole rows and the loader takes them (no staging copy: a receiver's extra memory stays at its
     two buffers); otherwise it is copied into a staging tensor until its last chunk arrives.
     Chunks must arrive in order. Blocks of a tensor (`Slot.blocks`) are written into a tensor of
-    its shape, handed on once every element this worker reads of it (`reads`) arrived. Call
+    its shape (or, given `keep_blocks`, kept compact as `Blocks`), handed on once every element
+    this worker reads of it (`reads`) arrived. Call
     `finish()` at the end to catch tensors left incomplete.
     """
 
     def __init__(self, load_rows: RowLoader | None = None,
-                 reads: Mapping[str, Read] | None = None) -> None:
+                 reads: Mapping[str, Read] | None = None,
+                 keep_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._partial: dict[str | tuple, tuple[Slot, torch.Tensor, int]] = {}
         self._load_rows = load_rows
         self._direct: dict[str, tuple[Slot, int]] = {}  # tensors loaded by rows: bytes so far
         self._reads = reads or {}
-        self._written: dict[str, tuple[torch.Tensor, int]] = {}
-        """Tensors whose blocks are arriving: the tensor, and the elements written so far."""
+        self._keep_blocks = keep_blocks
+        """Given: blocks are kept compact (a copy of each, by it), handed on as `Blocks`."""
+        self._written: dict[str, tuple[torch.Tensor | Blocks, int]] = {}
+        """Tensors whose blocks are arriving: the tensor (or its `Blocks`), and the elements
+        written so far."""
         self.loaded_by_rows = 0
         """Tensors completed through `load_rows` (they are not in `unpack`'s result)."""
 
@@ -523,13 +569,18 @@ class Reassembler:
             raise ValueError(f"tensor {s.name!r}: blocks of it arrived, and this worker "
                              "published no read of it")
         dtype = DTYPES[s.dtype]
-        tensor, got = self._written.get(s.name) or (_blank(s, data.device), 0)
+        tensor, got = self._written.get(s.name) or (
+            Blocks(s.name, dtype, s.shape) if self._keep_blocks is not None
+            else _blank(s.name, dtype, s.shape, data.device), 0)
         off = 0
         for b in s.blocks or []:
             n = b.numel()
             size = [z - a for a, z in zip(b.start, b.stop, strict=True)]
-            part = data[off * dtype.itemsize : (off + n) * dtype.itemsize]
-            tensor[block_index(b)].copy_(part.view(dtype).view(size))
+            part = data[off * dtype.itemsize : (off + n) * dtype.itemsize].view(dtype).view(size)
+            if isinstance(tensor, Blocks):
+                tensor.parts.append((b, self._keep_blocks(part)))
+            else:
+                tensor[block_index(b)].copy_(part)
             off, got = off + n, got + n
         if got < want.numel():
             self._written[s.name] = (tensor, got)
