@@ -506,3 +506,20 @@ def test_a_seal_that_disagrees_names_the_bucket_without_the_receivers_checksum(c
                               "not match the sender's"), problem
     logged = [r.getMessage() for r in caplog.records]
     assert any(f"{mine:#x}" in m and f"{theirs:#x}" in m for m in logged), logged
+
+
+@pytest.mark.parametrize(("bad", "error"), [(("missing.weight", torch.ones(2)), KeyError),
+                                            (("b", torch.ones(3)), ValueError)])
+def test_the_module_loader_checks_a_whole_batch_before_copying_any_of_it(bad, error):
+    """One call copies a batch (casting and strided targets included); a tensor it cannot take
+    leaves every target of the batch as it was."""
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
+    m.register_buffer("b", torch.zeros(4))
+    loader = ModuleLoader(m)
+    with pytest.raises(error):
+        loader.load([("a", torch.ones(2, 3)), bad])
+    assert not m.a.any() and not m.b.any() and loader.loaded == set()
+    assert loader.load([("a", torch.full((2, 3), 1.5)), ("b", torch.arange(4.0))]) == {"a", "b"}
+    assert torch.equal(m.a, torch.full((2, 3), 1.5, dtype=torch.bfloat16))
+    assert torch.equal(m.b, torch.arange(4.0)) and m.a.requires_grad

@@ -26,19 +26,24 @@ class ModuleLoader:
         self.loaded = set()
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
-        done = set()
-        for name, t in named_tensors:
-            target = self.targets.get(name)
-            if target is None:
-                raise KeyError(f"tensor {name!r} is not a parameter or buffer of the model")
-            if target.shape != t.shape:
-                raise ValueError(f"tensor {name!r}: shape {list(t.shape)} != model's "
-                                 f"{list(target.shape)}")
+        """Every tensor checked first (a bad one: nothing of the batch is copied), then copied
+        in one call."""
+        targets = [self._target(name, t) for name, t in named_tensors]
+        if targets:
             with torch.no_grad():
-                target.copy_(t, non_blocking=True)
-            done.add(name)
+                torch._foreach_copy_(targets, [t for _, t in named_tensors], non_blocking=True)
+        done = {name for name, _ in named_tensors}
         self.loaded |= done
         return done
+
+    def _target(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        target = self.targets.get(name)
+        if target is None:
+            raise KeyError(f"tensor {name!r} is not a parameter or buffer of the model")
+        if target.shape != t.shape:
+            raise ValueError(f"tensor {name!r}: shape {list(t.shape)} != model's "
+                             f"{list(target.shape)}")
+        return target
 
     def load_rows(self, name: str, rows: torch.Tensor, first_row: int, shape: list[int]) -> bool:
         """Copy whole rows of dim 0 of tensor `name` in place (a chunk of a tensor larger than a

@@ -180,9 +180,10 @@ class BucketLane:
         do not share the GPU with it; on the host, `post` computes it after the `Go` (the
         tensors are final by then), while receivers check and load the buckets before it."""
         laid = self._laid[3].get(id(bucket)) if self._laid is not None else None
-        places, parts = laid if laid is not None else (self._places(bucket), _parts(bucket))
+        places = laid[0] if laid is not None else self._places(bucket)
         if places is None:
             return None
+        parts = laid[1] if laid is not None else _parts(bucket)
         self.held += bucket.sources
         if self.check and self._stream is None:
             self._unsummed[seq] = parts
