@@ -247,6 +247,19 @@ def test_gloo_floor_smoke(tmp_path):
     assert all(len(v) == 2 and min(v) > 0 for v in r["times_s"].values())
 
 
+@pytest.mark.multiproc
+def test_fixed_cost_smoke(tmp_path):
+    """The fixed-cost script: both planes pushed, the receiver's steps reported, bit-exact."""
+    path = tmp_path / "fixed.json"
+    out = run_script(["benchmarks/fixed_cost.py", "--reps", "2", "--json", str(path)],
+                     deadline_s=300)
+    assert "bit-exact: {'shm': True, 'gloo': True}" in out, out[-3000:]
+    r = json.loads(path.read_text())
+    assert r["tensors"] == 171 and set(r["planes"]) == {"shm", "gloo"}
+    for plane in r["planes"].values():
+        assert plane["receiver_ms"] > 0 and {"ready", "bucket", "kept"} <= set(plane["steps_ms"])
+
+
 def test_swap_replay_smoke():
     """The swap's load alone on tiny dims: the replay is bit-exact and every row is printed."""
     out = run_script(["benchmarks/swap_replay.py", "--device", "cpu", "--tiny", "--reps", "2"],
