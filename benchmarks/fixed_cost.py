@@ -15,11 +15,9 @@ loads, the `Seal` and its check, the commit round).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +25,7 @@ import torch  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
 from tests.procs import run_procs  # noqa: E402
-from vllm_nccl_sync.bench import _Params  # noqa: E402
+from vllm_nccl_sync.bench import _Params, join_receivers, write_report  # noqa: E402
 
 PLANES = ("shm", "gloo")
 
@@ -75,19 +73,11 @@ def trainer(cfgs: dict[str, dict], reps: int) -> dict:
 
 
 def receiver(cfgs: dict[str, dict], reps: int) -> dict:
-    from vllm_nccl_sync import SyncConfig
     from vllm_nccl_sync.engine.loaders import ModuleLoader
-    from vllm_nccl_sync.engine.receiver import Receiver
 
     torch.set_num_threads(1)
     mine = {name: {n: torch.zeros_like(t) for n, t in tiny_qwen2(0).items()} for name in cfgs}
-    rxs: dict[str, Receiver] = {}
-    joins = [threading.Thread(target=lambda n=n, c=c: rxs.__setitem__(n, Receiver(SyncConfig(**c), 1)))
-             for n, c in cfgs.items()]
-    for j in joins:  # the trainer joins them one after the other
-        j.start()
-    for j in joins:
-        j.join(300)
+    rxs = join_receivers(cfgs)
     out: dict[str, list[dict]] = {name: [] for name in cfgs}
     for _ in range(reps + 1):
         for name in cfgs:
@@ -125,11 +115,7 @@ def main() -> None:
         print(f"{name:5s} push {r['push_ms']:6.2f} ms  receiver {r['receiver_ms']:6.2f} ms  "
               f"steps (ms, median): {shown}")
     print(f"{report['tensors']} tensors, {report['bytes']} bytes; bit-exact: {report['bit_exact']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if not all(report["bit_exact"].values()):
-        sys.exit(1)
+    write_report(report, args.json, all(report["bit_exact"].values()))
 
 
 if __name__ == "__main__":

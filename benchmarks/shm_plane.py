@@ -19,11 +19,9 @@ delay the next one: a timed push starts with the receivers' answer to its plan).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +29,7 @@ import torch  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
 from tests.procs import run_procs  # noqa: E402
-from vllm_nccl_sync.bench import _Params, synthetic_tensors  # noqa: E402
+from vllm_nccl_sync.bench import _Params, join_receivers, synthetic_tensors, write_report  # noqa: E402
 
 MiB = 1 << 20
 
@@ -88,7 +86,6 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
     """Joins every group; receives each push into tensors of its own."""
     from vllm_nccl_sync import SyncConfig
     from vllm_nccl_sync.engine.loaders import ModuleLoader
-    from vllm_nccl_sync.engine.receiver import Receiver
     from vllm_nccl_sync.planes.registry import open_transport
     from vllm_nccl_sync.verify import digest
 
@@ -102,13 +99,7 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
         raw.broadcast(buf, length=payload).wait()
         raw.broadcast(torch.ones(1, dtype=torch.uint8), src=1).wait()
     raw.close()
-    rxs: dict[str, Receiver] = {}
-    joins = [threading.Thread(target=lambda n=n, c=c: rxs.__setitem__(n, Receiver(SyncConfig(**c), 1)))
-             for n, c in cfgs.items()]
-    for j in joins:  # the trainer joins them one after the other
-        j.start()
-    for j in joins:
-        j.join(300)
+    rxs = join_receivers(cfgs)
     for _ in range(reps + 1):
         for name in cfgs:
             s = rxs[name].receive(ModuleLoader(_Params(tensors[name])), timeout_s=300)
@@ -143,11 +134,7 @@ def main() -> None:
         print(f"{k:17s} {med[k] * 1e3:9.1f} ms  {report['gbps'][k]:6.2f} GB/s  "
               f"{report['of_raw_gloo'][k]:5.2f} of raw gloo  {report['of_memcpy'][k]:5.3f} of memcpy")
     print("bit-exact:", report["bit_exact"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if not all(report["bit_exact"].values()):
-        sys.exit(1)
+    write_report(report, args.json, all(report["bit_exact"].values()))
 
 
 if __name__ == "__main__":

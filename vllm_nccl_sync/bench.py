@@ -82,6 +82,35 @@ class _Params:
         return iter(())
 
 
+def join_receivers(cfgs: dict[str, dict], rank: int = 1) -> dict[str, Any]:
+    """One `Receiver` of rank `rank` per config (`SyncConfig` fields), all joining at once: a
+    trainer joins its groups one after the other."""
+    import threading
+
+    from vllm_nccl_sync.engine.receiver import Receiver
+    from vllm_nccl_sync.wire.config import SyncConfig
+
+    rxs: dict[str, Receiver] = {}
+    joins = [threading.Thread(target=lambda n=n, c=c: rxs.__setitem__(
+        n, Receiver(SyncConfig(**c), rank))) for n, c in cfgs.items()]
+    for j in joins:
+        j.start()
+    for j in joins:
+        j.join(300)
+    return rxs
+
+
+def write_report(report: dict, path: str, exact: bool) -> None:
+    """Keep `report` as JSON at `path` (if given); exit 1 unless everything arrived `exact`."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    if not exact:
+        raise SystemExit(1)
+
+
 class _Side:
     """One process of the benchmark: the trainer (role 0) or the engine (role 1), its device,
     its tensors and the data plane the raw broadcasts share with the pushes."""
