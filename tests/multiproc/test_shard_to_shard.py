@@ -111,7 +111,7 @@ def worker(cfg: dict, rank: int, updates: int, senders: int = 1) -> dict:
         keep = Keep()
         s = rx.run(keep, timeout_s=60)
         out.append({"ok": s.ok, "error": s.error, "bytes": s.bytes, "got": keep.got,
-                    "moved": sum(sizes)})
+                    "moved": sum(sizes), "plan": s.extra.get("plan")})
         sizes.clear()
     rx.close()
     return {"updates": out}
@@ -140,6 +140,7 @@ def test_each_worker_receives_exactly_its_read_set(backend, staged):
         for rank, w in zip((1, 2, 3), workers):
             u = w["updates"][i]
             assert u["ok"], u["error"]
+            assert u["plan"] == ("checked" if i == 0 else "kept")  # the same layout again
             assert set(u["got"]) == set(sent)
             for name, t in sent.items():
                 assert _reads_exactly(u["got"][name], t, READS[rank].tensors[name]), (rank, name)
@@ -230,7 +231,7 @@ def rejoining_worker(cfgs: tuple[dict, dict], rank: int, senders: int = 1) -> di
             keep = Keep()
             s = rx.run(keep, timeout_s=60)
             out.append({"ok": s.ok, "consistent": s.consistent, "version": s.version,
-                        "got": keep.got, "error": s.error})
+                        "got": keep.got, "error": s.error, "plan": s.extra.get("plan")})
         rx.close()
     return {"updates": out}
 
@@ -260,6 +261,7 @@ def _check_rejoined(workers: list[dict], staged: bool) -> None:
         if staged:
             assert not broken["got"]
         assert three["ok"] and three["consistent"] and three["version"] == 3, three["error"]
+        assert three["plan"] == "checked"  # joined again: nothing agreed before is kept
         for name, t in tensors(3).items():
             assert _reads_exactly(three["got"][name], t, READS[rank].tensors[name]), (rank, name)
 

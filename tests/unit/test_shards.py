@@ -467,3 +467,46 @@ def test_a_bucket_for_some_receivers_needs_a_plane_that_reaches_some():
             some.broadcast(wire, to=outside)
     assert some.posted == [[2]]
     assert all(plane(n).reaches_some for n in ("gloo", "nccl", "shm", "ipc"))
+
+
+# ---------------------------------------------------------------- a layout agreed once
+
+def _plan(buckets: list, version: int, specs: list[TensorSpec], staged: bool = False) -> Plan:
+    heads = [msgspec.structs.replace(h, version=version, staged=staged) for h in buckets]
+    return Plan(P, version, specs, buckets=heads, staged=staged)
+
+
+def test_a_plan_of_the_layout_last_accepted_is_kept_as_it_was_checked(shards):
+    """The next plan of the same layout (a new version) is accepted without checking each header
+    again, leaving exactly what checking it would; a staged one is another layout."""
+    sd, reads, planned_ = shards
+    specs = [TensorSpec(n, dtype_name(t.dtype), list(t.shape)) for n, t in sd.items()]
+    heads = [h for h, _ in planned_]
+    for rank, rs in reads.items():
+        first = Update(rank, CAP, version=1, reads=dict(rs.tensors))
+        assert first.open(_plan(heads, 1, specs), None) is None and not first.kept
+        again = Update(rank, CAP, version=2, reads=dict(rs.tensors), layout=first.layout)
+        fresh = Update(rank, CAP, version=2, reads=dict(rs.tensors))
+        assert again.open(_plan(heads, 2, specs), None) is None and again.kept
+        assert fresh.open(_plan(heads, 2, specs), None) is None and not fresh.kept
+        for f in ("covered", "regions", "named", "headers", "accepted", "last"):
+            assert getattr(again, f) == getattr(fresh, f), (rank, f)
+        staged = Update(rank, CAP, version=3, staged=True, reads=dict(rs.tensors),
+                        layout=again.layout)
+        assert staged.open(_plan(heads, 3, specs, staged=True), None) is None and not staged.kept
+
+
+def test_a_plan_like_the_last_but_wrong_is_checked_and_refused():
+    """A header of another version, or a tensor named twice, in a plan otherwise the last
+    accepted one: checked, and refused as a whole."""
+    good = [header(0, [blocks_of([TOP])], False), header(1, [blocks_of([BOTTOM])], True)]
+    u = Update(1, CAP, version=1, reads=dict(READS))
+    assert u.open(Plan(P, 1, [], buckets=good), None) is None
+    stale = [msgspec.structs.replace(good[0], version=2), good[1]]  # one header still of 1
+    twice = [msgspec.structs.replace(h, version=2) for h in
+             (good[0], header(1, [blocks_of([TOP])], True))]
+    for heads, why in ((stale, "header of update 1 in update 2"), (twice, "named twice")):
+        v = Update(1, CAP, version=2, reads=dict(READS), layout=u.layout)
+        problem = v.open(Plan(P, 2, [], buckets=heads), None)
+        assert problem is not None and why in problem.text and not v.kept, problem
+        assert v.accepted == -1 and v.headers == {}

@@ -31,7 +31,7 @@ from vllm_nccl_sync.engine.inbox import Inbox, Wait
 from vllm_nccl_sync.engine.metrics import observe_update
 from vllm_nccl_sync.engine.residency import Residency
 from vllm_nccl_sync.engine.state import ReceiverState, WeightLoader, require_checksums_default
-from vllm_nccl_sync.engine.update import Update, plan_problem
+from vllm_nccl_sync.engine.update import Layout, Update, plan_problem
 from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary, clip
 from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
@@ -96,6 +96,9 @@ class Receiver:
         self.adapters = adapters
         self.residency = residency
         self.reads = dict(reads.tensors) if reads is not None else None
+        self._layout: Layout | None = None
+        """The last plan accepted here (`update.Layout`): the next one alike is not checked
+        header by header again."""
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)
         self._broken = ""  # a failure that left this receiver out of step with the group
@@ -147,7 +150,7 @@ class Receiver:
         """
         self.inbox.reset()
         u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders, beside=beside,
-                   runs=self.plane.loads_in_place, reads=self.reads)
+                   runs=self.plane.loads_in_place, reads=self.reads, layout=self._layout)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
         re = Reassembler(reads=self.reads)
@@ -199,6 +202,7 @@ class Receiver:
                    or self.plane.mapping_problem(plan.buckets, self.rank, plan=True))
         if problem:
             self._refuse(u, problem)
+        self._layout = u.layout
         self.inbox.send(Ready(PROTOCOL_VERSION, self.rank, u.accepted, plan.version))
 
     def _refuse(self, u: Update, problem: Problem) -> NoReturn:
@@ -429,6 +433,8 @@ class Receiver:
             extra["dropped"] = self.inbox.said()
         if u.marks:
             extra["steps_ms"] = u.steps_ms()
+        if u.accepted >= 0:  # its headers checked, or the last accepted plan's layout again
+            extra["plan"] = "kept" if u.kept else "checked"
         if self.plane.read_in_place:  # buckets read where they lie in the sender's memory
             extra["read_in_place"] = self.plane.read_in_place
         out = WorkerSummary(ok, self.rank, self.state.version, self.state.consistent,

@@ -38,6 +38,28 @@ from vllm_nccl_sync.wire.protocol import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A plan this receiver checked and accepted: what its checks left (every header's tensors
+    and blocks), kept so that the next plan of the same layout (every header and tensor alike
+    but the version) is accepted without checking each header again. The checks depend on
+    nothing else: the model's reference and read set are this receiver's until it joins again
+    (a new receiver), and whether it records every tensor named is in the key."""
+
+    key: tuple
+    covered: dict[str | tuple, int]
+    regions: dict[str, list[Block]]
+    named: dict[str, TensorSpec]
+
+
+def _layout_key(plan: Plan, u: Update) -> tuple:
+    """What the checks of `plan`'s headers depend on, but its version."""
+    return (plan.protocol, plan.tensors, plan.force, plan.adapter, u.staged, u.capacity,
+            u.senders, u.held is not None,
+            [(h.protocol, h.seq, h.length, h.is_last, h.slots, h.force, h.staged, h.src, h.at,
+              h.to) for h in plan.buckets])
+
+
 @dataclass(slots=True)
 class Update:
     """The update in progress on receiver `rank` (buckets of at most `capacity` bytes, from
@@ -104,6 +126,10 @@ class Update:
     commit (its `discarded` says why; None: it need not)."""
     named: dict[str, TensorSpec] = field(default_factory=dict)
     """Every tensor the update's headers named (kept when it must rewrite every weight)."""
+    layout: Layout | None = None
+    """The last plan this receiver accepted; after `open`, this one's (`kept`: the same)."""
+    kept: bool = False
+    """The plan's layout was the last accepted one's: its headers were not checked again."""
     marks: dict[str, float] = field(default_factory=dict)
     """When each step of the update was reached (`perf_counter`): the plan, each bucket arrived
     and loaded, the Seal, its check, the commit round (summed up by `steps_ms`)."""
@@ -140,6 +166,9 @@ class Update:
         if not plan.buckets:
             return Problem(Kind.PLAN, f"rank {self.rank} refused update {plan.version}: a plan "
                            "without buckets")
+        key = _layout_key(plan, self)
+        if self._keep(plan, key):
+            return None
         self.opening = True
         for h in plan.buckets:
             problem = (Problem(Kind.HEADER, f"rank {self.rank} rejected bucket {h.seq}: force "
@@ -151,7 +180,24 @@ class Update:
         self.opening = False
         if problem := self.reads_gap():
             self.refuse(problem)
-        return problem
+            return problem
+        self.layout = Layout(key, dict(self.covered), {n: list(b) for n, b in self.regions.items()},
+                             dict(self.named))
+        return None
+
+    def _keep(self, plan: Plan, key: tuple) -> bool:
+        """Accept `plan` as the last accepted plan was, if its layout is that plan's (every
+        header of this version); False: it is checked."""
+        a = self.layout
+        if a is None or a.key != key or any(h.version != plan.version for h in plan.buckets):
+            return False
+        self.covered, self.named = dict(a.covered), dict(a.named)
+        self.regions = {n: list(b) for n, b in a.regions.items()}
+        self.headers = {h.seq: h for h in plan.buckets}
+        self.accepted = plan.buckets[-1].seq
+        self.last = self.accepted if plan.buckets[-1].is_last else -1
+        self.kept = True
+        return True
 
     def mine(self, header: BucketHeader) -> bool:
         """Whether this receiver joins bucket `header`'s collective (it is for every receiver,

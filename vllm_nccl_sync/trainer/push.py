@@ -159,10 +159,30 @@ class OneSender(Sender):
         if any(h.at is not None for h in headers):
             self.lane.settle()  # what receivers read where it lies is final, and summed
         self.rounds.open(Plan(PROTOCOL_VERSION, self.version, self.specs, self.full, self.force,
-                              self.adapter, headers, self.staged), headers[-1].seq)
+                              self.adapter, headers, self.staged), headers[-1].seq,
+                         meanwhile=self._pack_first)
         # A plan too big for one frame: the rest of its headers follow at the same distance.
         self.window = max(self.window, len(headers))
         return self._buckets()
+
+    def _pack_first(self) -> None:
+        """Make the first bucket's wire bytes while the receivers check the plan (its buffer is
+        free: the last update drained every collective); what making them raised is raised
+        when the bucket is posted, as it would have been then."""
+        header, make = self.pending[0]
+        if header.at is not None or header.seq != self.lane.posted:
+            return
+        try:
+            wire = make()
+        except Exception as e:  # noqa: BLE001 - the tensor source's, recorded at the post
+            failed = e
+
+            def made() -> torch.Tensor:
+                raise failed
+        else:
+            def made() -> torch.Tensor:
+                return wire
+        self.pending[0] = (header, made)
 
     def _buckets(self) -> Buckets:
         """Each pending bucket once its `Go` came; after each, one more announced and the

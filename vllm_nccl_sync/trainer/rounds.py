@@ -184,13 +184,17 @@ class Rounds:
 
     # ------------------------------------------------------------------ agreement
 
-    def open(self, plan: Message, last: int, ranks: list[int] | None = None) -> None:
+    def open(self, plan: Message, last: int, ranks: list[int] | None = None,
+             meanwhile: Callable[[], None] | None = None) -> None:
         """Send the plan to `ranks` (default: the receivers), wait until each accepted every
         header up to `last`, then send one `Go` for them all. A refusal, or silence, is answered
-        by `Abort` to all and raised as `UpdateRefused`."""
+        by `Abort` to all and raised as `UpdateRefused`. `meanwhile` runs while the receivers
+        check the plan."""
         ranks = self.receivers if ranks is None else ranks
         try:
             self.send_all(plan, ranks)
+            if meanwhile is not None:
+                meanwhile()
             self.gather(Ready, ranks=ranks, seq=last, what="refused at the plan",
                         who="ranks" if ranks == self.receivers else "ranks and senders")
         except PushError as e:
