@@ -252,3 +252,33 @@ def test_a_bucket_read_where_its_slots_lie_unpacks_from_one_part_per_slot():
     for name, t in tensors:
         assert torch.equal(out[name].reshape(-1).view(torch.uint8),
                            t.reshape(-1).view(torch.uint8)), name
+
+
+def test_the_same_bucket_into_the_same_buffer_is_unpacked_into_the_same_views():
+    """Given `views`, a bucket of whole tensors unpacked again into the same buffer gives the
+    same views (holding the new bytes); another buffer or other slots are unpacked anew, and a
+    bucket of chunks is never kept."""
+    a = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.ones(5, dtype=torch.bfloat16)}
+    [bucket] = plan_buckets(a.items(), 1024)
+    h = bucket.header(1, 0, True, PROTOCOL_VERSION)
+    bufs, views = [torch.empty(1024, dtype=torch.uint8) for _ in range(2)], {}
+    pack(bucket, bufs[0])
+    first = Reassembler(views=views).unpack(h, bufs[0])
+    b = {"x": a["x"] + 10, "y": a["y"] * 2}
+    [again_bucket] = plan_buckets(b.items(), 1024)
+    pack(again_bucket, bufs[0])
+    again = Reassembler(views=views).unpack(h, bufs[0])
+    assert len(again) == 2 and all(x is y for (_, x), (_, y) in zip(again, first))
+    assert all(torch.equal(t, b[n]) for n, t in again)
+    pack(again_bucket, bufs[1])
+    other = Reassembler(views=views).unpack(h, bufs[1])
+    assert all(x is not y for (_, x), (_, y) in zip(other, first))
+    assert all(torch.equal(t, b[n]) for n, t in other)
+    big = {"z": torch.arange(600.0)}  # 2400 bytes: chunks over three buckets of 1024
+    chunks = list(plan_buckets(big.items(), 1024))
+    chunk_views: dict = {}
+    re = Reassembler(views=chunk_views)
+    for k, c in enumerate(chunks):
+        pack(c, bufs[0])
+        re.unpack(c.header(1, k, k == len(chunks) - 1, PROTOCOL_VERSION), bufs[0])
+    assert chunk_views == {}

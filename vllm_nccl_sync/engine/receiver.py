@@ -96,9 +96,8 @@ class Receiver:
         self.adapters = adapters
         self.residency = residency
         self.reads = dict(reads.tensors) if reads is not None else None
-        self._layout: Layout | None = None
-        """The last plan accepted here (`update.Layout`): the next one alike is not checked
-        header by header again."""
+        self._views: dict[int, tuple] = {}  # buckets of whole tensors, unpacked (`Reassembler`)
+        self._layout: Layout | None = None  # the last plan accepted (`update.Layout`)
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)
         self._broken = ""  # a failure that left this receiver out of step with the group
@@ -153,7 +152,7 @@ class Receiver:
                    runs=self.plane.loads_in_place, reads=self.reads, layout=self._layout)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
-        re = Reassembler(reads=self.reads)
+        re = Reassembler(reads=self.reads, views=self._views)
         try:
             plan = self._opening(u, timeout_s or self.cfg.timeout_s)
             u.mark("plan")
@@ -163,11 +162,13 @@ class Receiver:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
             if not u.staged:  # staged updates keep copies anyway (of their blocks only)
-                re = Reassembler(getattr(loader, "load_rows", None), self.reads)
+                re = Reassembler(getattr(loader, "load_rows", None), self.reads,
+                                 views=self._views)
             elif beside is not None:  # large tensors go into the shadow as their rows arrive
-                re = Reassembler(beside.shadow.load_rows, self.reads, beside.shadow.keep)
+                re = Reassembler(beside.shadow.load_rows, self.reads, beside.shadow.keep,
+                                 self._views)
             else:
-                re = Reassembler(reads=self.reads, keep_blocks=torch.clone)
+                re = Reassembler(reads=self.reads, keep_blocks=torch.clone, views=self._views)
             with self.plane.armed(self.verdict_s, f"update {u.version}"):
                 self._buckets(loader, re, u)
                 self._round.run(loader, u)

@@ -469,13 +469,18 @@ class Reassembler:
 
     def __init__(self, load_rows: RowLoader | None = None,
                  reads: Mapping[str, Read] | None = None,
-                 keep_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 keep_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 views: dict[int, tuple] | None = None) -> None:
         self._partial: dict[str | tuple, tuple[Slot, torch.Tensor, int]] = {}
         self._load_rows = load_rows
         self._direct: dict[str, tuple[Slot, int]] = {}  # tensors loaded by rows: bytes so far
         self._reads = reads or {}
         self._keep_blocks = keep_blocks
         """Given: blocks are kept compact (a copy of each, by it), handed on as `Blocks`."""
+        self._views = views
+        """Given (kept by the caller from update to update): per bucket seq, the tensors a
+        bucket of whole tensors was unpacked into, with its buffer and slots; the same bucket
+        into the same buffer again is unpacked into the same views, not made again."""
         self._written: dict[str, tuple[torch.Tensor | Blocks, int]] = {}
         """Tensors whose blocks are arriving: the tensor (or its `Blocks`), and the elements
         written so far."""
@@ -513,6 +518,11 @@ class Reassembler:
                buf: torch.Tensor | list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The tensors completed by this bucket, as `(name, tensor)`; views of `buf` if whole.
         `buf`: the bucket's bytes, or one flat tensor per slot (a bucket read where it lies)."""
+        kept = self._views.get(header.seq) if self._views is not None else None
+        if kept is not None and not isinstance(buf, list) and kept[0] == buf.data_ptr() \
+                and kept[1] == header.slots and not (self._partial or self._direct
+                                                     or self._written):
+            return list(kept[2])
         out: list[tuple[str, torch.Tensor]] = []
         for i, s in enumerate(header.slots):
             data = buf[i] if isinstance(buf, list) else buf[s.offset : s.offset + s.nbytes]
@@ -525,6 +535,10 @@ class Reassembler:
                 raise ValueError(f"tensor {s.name!r}: a chunk of rows that is not whole rows")
             elif (staged := self._chunk(s, data)) is not None:
                 self._whole(s, staged, out)
+        if self._views is not None and not isinstance(buf, list) and all(
+                s.blocks is None and s.start == 0 and s.nbytes == slot_total(s)
+                for s in header.slots):
+            self._views[header.seq] = (buf.data_ptr(), header.slots, list(out))
         return out
 
     def _whole(self, s: Slot, data: torch.Tensor, out: list[tuple[str, torch.Tensor]]) -> None:
