@@ -82,6 +82,9 @@ class BucketLane:
             warm(self.device)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._summed = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+        self.settled = True
+        """Every collective posted so far was drained: no receiver reads the buffers now (an
+        update that failed mid-way leaves it False until the next one drains)."""
         self.begin()
 
     def begin(self) -> None:
@@ -211,6 +214,7 @@ class BucketLane:
         """Post bucket `header` (always: a `Go` covers it) from `make_wire()`'s bytes, with its
         checksum beside it (and its `Digest` where the plane wants one). A failing `make_wire`
         or broadcast is recorded (`failure`, `lost`), never raised."""
+        self.settled = False
         if header.at is not None:  # read where it lies: nothing to send, its checksum queued
             self.posted += 1
             parts = self._unsummed.pop(header.seq, None)  # or summed now, on the host
@@ -280,6 +284,7 @@ class BucketLane:
             self.transport.wait_stream(cur, self.timeout_s)
             keys = list(self.sums)  # one read back per update
             self.sums.update(zip(keys, read_back([self.sums[k] for k in keys]), strict=True))
+        self.settled = True
         return {k: int(v) for k, v in self.sums.items()}
 
     def lost_problem(self, offset: int) -> tuple[Problem | None, list[int]]:

@@ -166,11 +166,12 @@ class OneSender(Sender):
         return self._buckets()
 
     def _pack_first(self) -> None:
-        """Make the first bucket's wire bytes while the receivers check the plan (its buffer is
-        free: the last update drained every collective); what making them raised is raised
-        when the bucket is posted, as it would have been then."""
+        """Make the first bucket's wire bytes while the receivers check the plan, where its
+        buffer is free (the last update drained every collective; else a receiver may still
+        read it until it answers this plan); what making them raised is raised when the bucket
+        is posted, as it would have been then."""
         header, make = self.pending[0]
-        if header.at is not None or header.seq != self.lane.posted:
+        if header.at is not None or header.seq != self.lane.posted or not self.lane.settled:
             return
         try:
             wire = make()
