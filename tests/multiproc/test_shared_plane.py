@@ -506,11 +506,13 @@ def _foreign_sender(cfg: dict, victim: tuple[int, int], whose: str) -> list[dict
     if whose == "own-user":  # a process of its own user holding shared memory
         r, w = os.pipe()
         pid, fd = os.fork(), 3
-        if pid == 0:
+        if pid == 0:  # holds it until the pipe's only write end (the parent's) closes
+            os.close(w)
             held = torch.full((4096,), 7.0).share_memory_()
             os.read(r, 1)
             del held
             os._exit(0)
+        os.close(r)
     else:
         pid, fd = victim
 
@@ -519,10 +521,12 @@ def _foreign_sender(cfg: dict, victim: tuple[int, int], whose: str) -> list[dict
         store.set("segment/99", msgspec.msgpack.encode({"pid": pid, "fd": fd, "nbytes": 16384}))
         return Source(99, 0)
 
-    out = _forged_then_honest(cfg, {"export": export})
-    if whose == "own-user":
-        os.close(w)
-    return out
+    try:
+        return _forged_then_honest(cfg, {"export": export})
+    finally:
+        if whose == "own-user":  # the child sees the end of the pipe and exits
+            os.close(w)
+            os.waitpid(pid, 0)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the trainer as another user")
