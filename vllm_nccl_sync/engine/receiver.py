@@ -36,7 +36,7 @@ from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary, 
 from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
-from vllm_nccl_sync.wire.packing import Blocks, Reassembler, align_up, tensor_nbytes
+from vllm_nccl_sync.wire.packing import DTYPES, Blocks, Reassembler, align_up, tensor_nbytes
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     AdapterSpec,
@@ -152,7 +152,6 @@ class Receiver:
                    runs=self.plane.loads_in_place, reads=self.reads, layout=self._layout)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
-        re = Reassembler(reads=self.reads, views=self._views)
         try:
             plan = self._opening(u, timeout_s or self.cfg.timeout_s)
             u.mark("plan")
@@ -161,16 +160,8 @@ class Receiver:
             if plan.adapter is not None:
                 assert self.adapters is not None  # `plan_problem` refused it otherwise
                 u.adapter, loader = plan.adapter, self.adapters(plan.adapter)
-            if not u.staged:  # staged updates keep copies anyway (of their blocks only)
-                re = Reassembler(getattr(loader, "load_rows", None), self.reads,
-                                 views=self._views)
-            elif beside is not None:  # large tensors go into the shadow as their rows arrive
-                re = Reassembler(beside.shadow.load_rows, self.reads, beside.shadow.keep,
-                                 self._views)
-            else:
-                re = Reassembler(reads=self.reads, keep_blocks=torch.clone, views=self._views)
             with self.plane.armed(self.verdict_s, f"update {u.version}"):
-                self._buckets(loader, re, u)
+                self._buckets(loader, self._reassembler(loader, u), u)
                 self._round.run(loader, u)
         except Exception as e:  # noqa: BLE001 - a failed update must never take the engine down
             if not isinstance(e, (UpdateFailed, TimeoutError)):
@@ -179,6 +170,17 @@ class Receiver:
         u.committed(self.state)
         return self._summary(u, True, seconds=self.state.last_seconds,
                              load=dict(getattr(loader, "stats", None) or {}))
+
+    def _reassembler(self, loader: WeightLoader, u: Update) -> Reassembler:
+        """How update `u`'s buckets become tensors: in place, whole rows straight into the
+        loader; staged, copies kept (of their blocks only), beside serving in the shadow (large
+        tensors as their rows arrive)."""
+        if not u.staged:
+            return Reassembler(getattr(loader, "load_rows", None), self.reads, views=self._views)
+        if u.beside is not None:
+            shadow = u.beside.shadow
+            return Reassembler(shadow.load_rows, self.reads, shadow.keep, self._views)
+        return Reassembler(reads=self.reads, keep_blocks=torch.clone, views=self._views)
 
     def _opening(self, u: Update, seconds: float) -> Plan:
         """The next update's `Plan`, within `seconds`. A frame that claims to be the Plan of
@@ -237,7 +239,7 @@ class Receiver:
         read = (self.reads or {}).get(t.name)
         if read is None or read.shape != t.shape or read.dtype != t.dtype:
             return align_up(tensor_nbytes(t.dtype, t.shape))
-        itemsize = tensor_nbytes(t.dtype, [1])
+        itemsize = DTYPES[t.dtype].itemsize
         return sum(align_up(b.numel() * itemsize) for b in read.blocks)
 
     def _pump(self, u: Update, want: Callable[[], bool], what: str) -> None:

@@ -14,10 +14,11 @@ failure during the swap leaves the engine reporting inconsistent, as an in-place
 
 What the shadow holds: the update's tensors as they arrived (the trainer's names, dtypes and full
 shapes; shard to shard, only the blocks this worker reads of a tensor it reads some of, made
-whole in batches during the swap: `packing.wholes`), on the engine's device (`place="device"`) or in host memory (`"host"`: pinned on a GPU
-engine, so the swap is host-to-device copies). One arena, sized from the plan and kept between
-updates; a streamed update (no tensor list in its plan) takes one allocation per tensor. A
-tensor larger than a bucket is copied in chunk by chunk as its rows arrive.
+whole in batches during the swap: `packing.wholes`), on the engine's device (`place="device"`)
+or in host memory (`"host"`: pinned on a GPU engine, so the swap is host-to-device copies). One
+arena, sized from the plan and kept between updates; a streamed update (no tensor list in its
+plan) takes one allocation per tensor. A tensor larger than a bucket is copied in chunk by chunk
+as its rows arrive.
 """
 
 from __future__ import annotations
