@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from vllm_nccl_sync.wire.packing import ALIGN, Reassembler, pack, plan_buckets, validate_header
+from vllm_nccl_sync.wire.packing import (
+    ALIGN,
+    Bucket,
+    Reassembler,
+    pack,
+    plan_buckets,
+    validate_header,
+)
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION
 
 
@@ -281,4 +288,35 @@ def test_the_same_bucket_into_the_same_buffer_is_unpacked_into_the_same_views():
     for k, c in enumerate(chunks):
         pack(c, bufs[0])
         re.unpack(c.header(1, k, k == len(chunks) - 1, PROTOCOL_VERSION), bufs[0])
+    assert chunk_views == {}
+
+
+def test_a_bucket_packed_again_into_the_same_buffer_reuses_its_views_and_is_exact():
+    """Given `views`, a bucket of whole tensors packed again into the same buffer is copied
+    through the views it got the first time (in one call), and its bytes are the new tensors';
+    other slots or another buffer are packed anew; a bucket of chunks keeps no views."""
+    a = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.ones(5, dtype=torch.bfloat16),
+         "e": torch.empty(0)}
+    [bucket] = plan_buckets(a.items(), 1024)
+    bufs, views, plain = [torch.zeros(1024, dtype=torch.uint8) for _ in range(2)], {}, \
+        torch.zeros(1024, dtype=torch.uint8)
+    first = pack(bucket, bufs[0], views, 0).clone()
+    assert torch.equal(first, pack(bucket, plain)) and 0 in views
+    kept = views[0][2]
+    b = {"x": a["x"] + 10, "y": a["y"] * 3, "e": torch.empty(0)}
+    [again] = plan_buckets(b.items(), 1024)
+    got = pack(again, bufs[0], views, 0)
+    assert views[0][2] is kept  # the same slots into the same buffer: the same views
+    assert torch.equal(got, pack(again, plain)) and not torch.equal(got, first)
+    shaped = Bucket(again.slots, [b[s.name] for s in again.slots])  # its sources not flat
+    assert torch.equal(pack(shaped, bufs[0], views, 0), pack(again, plain))
+    pack(again, bufs[1], views, 0)
+    assert views[0][2] is not kept and views[0][0] == bufs[1].data_ptr()
+    [other] = plan_buckets({"x": b["x"].reshape(3, 2)}.items(), 1024)  # other slots
+    assert torch.equal(pack(other, bufs[1], views, 0), pack(other, plain))
+    assert views[0][1] == other.slots
+    big = {"z": torch.arange(600.0)}  # chunks over three buckets of 1024
+    chunk_views: dict = {}
+    for k, c in enumerate(plan_buckets(big.items(), 1024)):
+        assert torch.equal(pack(c, bufs[0], chunk_views, k), pack(c, plain))
     assert chunk_views == {}

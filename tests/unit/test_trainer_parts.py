@@ -204,6 +204,27 @@ def test_a_broadcast_that_raises_is_a_lost_peer_and_every_agreed_bucket_is_still
     assert set(lane.drain()) == {0, 1, 2}
 
 
+def test_a_state_dict_of_the_last_ones_names_dtypes_and_shapes_keeps_its_cut():
+    """The second state dict of the same layout gets the same slots (not cut again), each slot's
+    source its own tensor, and goes on the wire as those tensors' bytes; another shape is cut
+    afresh."""
+    lane = BucketLane(FakePlane(), 1024, check=True, timeout_s=10, digest=lambda d, to: None)
+    sd = {"a": torch.randn(4, 8), "big": torch.randn(600), "b": torch.randn(3)}
+    first = lane.cut(list(sd.items()), 512)
+    assert [[s.name for s in b.slots] for b in first] == [["a"], ["big"], ["big"], ["big"], ["b"]]
+    sd2 = {n: t + 1 for n, t in sd.items()}
+    again = lane.cut(list(sd2.items()), 512)
+    assert [b.slots for b in again] == [b.slots for b in first]
+    assert all(x.slots is y.slots for x, y in zip(again, first))  # kept, not cut again
+    assert all(src is sd2[s.name] for b in again for s, src in zip(b.slots, b.sources))
+    fresh = list(plan_buckets(list(sd2.items()), 1024, 512))
+    for b, f in zip(again, fresh):
+        assert torch.equal(lane.wire(b.slots, b.sources).clone(),
+                           lane.wire(f.slots, f.sources).clone())
+    other = lane.cut([("a", torch.randn(8, 4)), ("b", torch.randn(3))], 512)
+    assert other[0].slots[0].shape == [8, 4] and len(other) == 1
+
+
 class ExportingPlane(FakePlane):
     """A stand-in for a plane whose receivers map this sender's memory: every storage it is
     shown is a segment of its own (counted)."""

@@ -73,10 +73,15 @@ class BucketLane:
                          for _ in range(2)])
         self.check = check
         self.timeout_s = timeout_s
+        self._cut: tuple[tuple, list[tuple]] | None = None
+        """The last state dict's cut (`cut`): its key, and per bucket its slots, the index of
+        each slot's item, and its receivers."""
         self._laid: tuple[list, set[str], list[Bucket], dict[int, tuple]] | None = None
         """The last state dict's layout read in place: its key, the names it gathered, its
         buckets, and per bucket its places and parts (`layout`)."""
         self._digest = digest
+        self._packed: dict[int, tuple] = {}
+        """Per bucket seq, the views of its buffer that bucket was last packed into (`pack`)."""
         cuda = self.device.type == "cuda"
         if cuda and check and self.shared:  # ipc: the checksum kernel built now, not in a push
             warm(self.device)
@@ -134,7 +139,7 @@ class BucketLane:
         if moving is not None and moving[1].device == self.device and not self.shared:
             slot, src = moving  # zero copy: the collective reads the tensor's own memory
             return as_bytes(src)[slot.start : slot.start + slot.nbytes]
-        return pack(bucket, buf)
+        return pack(bucket, buf, self._packed, self.posted)
 
     # ------------------------------------------------------------------ read in place
 
@@ -142,19 +147,19 @@ class BucketLane:
         """A state dict's buckets: on a plane whose receivers map this sender's memory, every
         non-empty tensor on this device that it can export first, gathered into buckets of up to
         the capacity (each read where its slots lie: `at`), then the rest packed; elsewhere
-        `plan_buckets` as it is. Gathered, not one bucket per tensor: each bucket costs each
+        `cut` of them. Gathered, not one bucket per tensor: each bucket costs each
         side about 0.3 ms of host time (171 tensors of a 7B model read one bucket each were
         slower than packing them). A state dict whose tensors lie where the last one's did (same
         names, addresses, dtypes, shapes, strides: the same storages, which the last layout
         holds until the next state dict's layout) reuses that layout and its places: per push,
         the host then only compares the tensors and queues their checksums."""
+        if not self.shared:  # gloo, nccl: nothing is read where it lies
+            return iter(self.cut(items, alone))
         key = [(n, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, t in items]
         if self._laid is None or self._laid[0] != key:
             self._laid = None  # the storages the last one held may go
             mine = [(n, t) for n, t in items if t.numel() and t.device == self.device
                     and self.transport.export(t) is not None]
-            if not mine:
-                return plan_buckets(items, self.capacity, alone)
             gathered = list(plan_buckets(mine, self.capacity, self.capacity + 1))  # none alone
             self._laid = (key, {n for n, _ in mine}, gathered,
                           {id(b): (self._places(b), _parts(b)) for b in gathered})
@@ -162,7 +167,21 @@ class BucketLane:
         if self.check and self._stream is not None:  # every checksum in one launch
             self._ahead.sum_missing([p for _, parts in laid.values() for p in parts])
         rest = [(n, t) for n, t in items if n not in names]
-        return itertools.chain(gathered, plan_buckets(rest, self.capacity, alone))
+        return itertools.chain(gathered, self.cut(rest, alone))
+
+    def cut(self, items: list[tuple[str, torch.Tensor]], alone: int) -> list[Bucket]:
+        """`plan_buckets` of a state dict's `items`, the cut kept: items of the same names,
+        dtypes and shapes as the last ones cut are laid out as they were (the same slots, each
+        slot's source the item's tensor; about 3 us per tensor less, 0.5 ms for 171)."""
+        key = [(n, t.dtype, t.shape) for n, t in items]
+        if self._cut is None or self._cut[0] != (key, alone):
+            index = {n: i for i, (n, _) in enumerate(items)}
+            buckets = list(plan_buckets(items, self.capacity, alone))
+            self._cut = ((key, alone), [(b.slots, [index[s.name] for s in b.slots], b.to)
+                                        for b in buckets])
+            return buckets
+        return [Bucket(slots, [items[i][1] for i in which], to)
+                for slots, which, to in self._cut[1]]
 
     def _places(self, bucket: Bucket) -> list[Source] | None:
         """Where each slot of `bucket` lies in memory the receivers map, if every one does."""

@@ -317,12 +317,42 @@ def as_bytes(t: torch.Tensor | Region) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack(bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
-    """Copy the bucket's sources into `buf` (uint8) and return `buf[:length]`, the wire bytes."""
+def pack(bucket: Bucket, buf: torch.Tensor, views: dict[int, tuple] | None = None,
+         seq: int = 0) -> torch.Tensor:
+    """Copy the bucket's sources into `buf` (uint8) and return `buf[:length]`, the wire bytes.
+
+    `views` (kept by the caller from update to update): per `seq`, the views of `buf` that a
+    bucket of whole tensors was packed into, with its buffer, slots and sources' shapes; the
+    same again reuses them, and the bucket is copied in one call (no per-tensor
+    view or copy made in Python: a view costs a few microseconds, a layout of 171 tensors ~1 ms).
+    """
+    kept = views.get(seq) if views is not None else None
+    if kept is None or kept[0] != buf.data_ptr() or kept[1] != bucket.slots or \
+            kept[3] != [getattr(t, "shape", None) for t in bucket.sources]:
+        kept = _pack_views(bucket, buf)
+        if views is not None and kept is not None:
+            views[seq] = kept
+    if kept is not None:
+        torch._foreach_copy_(kept[2], bucket.sources, non_blocking=True)
+        return buf[: bucket.length]
     for slot, src in zip(bucket.slots, bucket.sources, strict=True):
         data = as_bytes(src)[slot.start : slot.start + slot.nbytes]
         buf[slot.offset : slot.offset + slot.nbytes].copy_(data, non_blocking=True)
     return buf[: bucket.length]
+
+
+def _pack_views(bucket: Bucket, buf: torch.Tensor) -> tuple | None:
+    """`buf`'s data pointer, the bucket's slots, per slot the view of `buf` its source is
+    copied into as it is (same dtype and shape), and the sources' shapes; None unless every slot
+    is a whole tensor (a chunk or a region is copied as bytes)."""
+    out = []
+    for s, src in zip(bucket.slots, bucket.sources, strict=True):
+        if not (isinstance(src, torch.Tensor) and s.start == 0
+                and s.nbytes == src.numel() * src.element_size()
+                and dtype_name(src.dtype) == s.dtype):
+            return None
+        out.append(buf[s.offset : s.offset + s.nbytes].view(src.dtype).view(src.shape))
+    return buf.data_ptr(), bucket.slots, out, [t.shape for t in bucket.sources]
 
 
 def validate_header(header: BucketHeader, expected_seq: int, capacity: int) -> None:
