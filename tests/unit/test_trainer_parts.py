@@ -24,6 +24,7 @@ from vllm_nccl_sync.trainer.tensors import Caster, engine_dtype, faithful
 from vllm_nccl_sync.wire.channel import ReceiverChannel, SenderChannel
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.deadline import Deadline
+from vllm_nccl_sync.wire.integrity import checksum
 from vllm_nccl_sync.wire.packing import plan_buckets
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION as P
 from vllm_nccl_sync.wire.protocol import (
@@ -223,6 +224,29 @@ def test_a_state_dict_of_the_last_ones_names_dtypes_and_shapes_keeps_its_cut():
                            lane.wire(f.slots, f.sources).clone())
     other = lane.cut([("a", torch.randn(8, 4)), ("b", torch.randn(3))], 512)
     assert other[0].slots[0].shape == [8, 4] and len(other) == 1
+
+
+def test_a_bucket_made_ahead_of_its_post_is_summed_then_and_its_digest_is_of_its_bytes():
+    """The checksum taken while receivers check the plan is the one its `Digest` carries, and
+    it is of the bytes posted; an update that never posted it leaves nothing to the next."""
+    digests = []
+    lane = BucketLane(FakePlane(), 16 * 1024, check=True, timeout_s=10,
+                      digest=lambda d, to: digests.append(d))
+    sd = {"a": torch.randn(4, 8), "b": torch.randn(3)}
+    [b] = lane.cut(list(sd.items()), 1 << 20)
+    lane.begin()
+    wire = lane.wire(b.slots, b.sources)
+    lane.ahead(0, wire)
+    lane.post(b.header(1, 0, True, P), lambda: wire)
+    assert digests[-1].checksum == checksum(wire.clone()) != 0
+    lane.drain()
+    lane.begin()
+    lane.ahead(0, torch.ones(8, dtype=torch.uint8))  # made, then the update failed
+    lane.begin()
+    sd["a"] += 1
+    [b] = lane.cut(list(sd.items()), 1 << 20)
+    lane.post(b.header(2, 0, True, P), lambda: lane.wire(b.slots, b.sources))
+    assert digests[-1].checksum == checksum(lane.buffers[0][: b.length].clone())
 
 
 class ExportingPlane(FakePlane):

@@ -181,6 +181,8 @@ class OneSender(Sender):
             def made() -> torch.Tensor:
                 raise failed
         else:
+            self.lane.ahead(header.seq, wire)
+
             def made() -> torch.Tensor:
                 return wire
         self.pending[0] = (header, made)
