@@ -5,7 +5,8 @@ process to a receiver process that copies them into tensors of its own (`ModuleL
 the plan, its checks, the rounds and the per-tensor loads, on both sides.
 
 Per plane it prints the median over the pushes after a warm-up of: the trainer's push (wall),
-the receiver's update from its answer to the plan to the commit (`WorkerSummary.seconds`), and
+the receiver's update from its answer to the plan to the commit (`WorkerSummary.seconds`; after
+the first push each update opens with a `Repeat` of the first one's layout: `plans`), and
 the receiver's steps (`steps_ms`: from the plan's answer to the `Go`, the buckets' arrival and
 loads, the `Seal` and its check, the commit round).
 
@@ -84,7 +85,8 @@ def receiver(cfgs: dict[str, dict], reps: int) -> dict:
             s = rxs[name].receive(ModuleLoader(_Params(mine[name])), timeout_s=300)
             if not s["ok"]:
                 raise RuntimeError(f"{name}: {s['error']}")
-            out[name].append({"seconds": s["seconds"], "steps_ms": s["steps_ms"]})
+            out[name].append({"seconds": s["seconds"], "steps_ms": s["steps_ms"],
+                              "plan": s.get("plan", "")})
     for rx in rxs.values():
         rx.close()
     sent = tiny_qwen2(1)
@@ -107,13 +109,14 @@ def main() -> None:
         steps = {k: statistics.median(u["steps_ms"].get(k, 0.0) for u in ups)
                  for k in ups[0]["steps_ms"]}
         report["planes"][name] = {
+            "plans": sorted({u["plan"] for u in ups}),
             "push_ms": statistics.median(tr["push_s"][name]) * 1e3,
             "receiver_ms": statistics.median(u["seconds"] for u in ups) * 1e3,
             "steps_ms": steps}
         r = report["planes"][name]
         shown = ", ".join(f"{k} {v:.2f}" for k, v in steps.items())
         print(f"{name:5s} push {r['push_ms']:6.2f} ms  receiver {r['receiver_ms']:6.2f} ms  "
-              f"steps (ms, median): {shown}")
+              f"plans {'/'.join(r['plans'])}  steps (ms, median): {shown}")
     print(f"{report['tensors']} tensors, {report['bytes']} bytes; bit-exact: {report['bit_exact']}")
     write_report(report, args.json, all(report["bit_exact"].values()))
 

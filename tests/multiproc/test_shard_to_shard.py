@@ -140,7 +140,7 @@ def test_each_worker_receives_exactly_its_read_set(backend, staged):
         for rank, w in zip((1, 2, 3), workers):
             u = w["updates"][i]
             assert u["ok"], u["error"]
-            assert u["plan"] == ("checked" if i == 0 else "kept")  # the same layout again
+            assert u["plan"] == ("checked" if i == 0 else "repeat")  # the same layout again
             assert set(u["got"]) == set(sent)
             for name, t in sent.items():
                 assert _reads_exactly(u["got"][name], t, READS[rank].tensors[name]), (rank, name)

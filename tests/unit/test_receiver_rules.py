@@ -15,6 +15,8 @@ d) Each tensor is named once per update (plan list, headers, stream headers); th
    nested in it speaks another protocol) is refused as the update it names.
 e) What a peer is told names the problem, never a checksum the receiver computed of the peer's
    bytes (the engine's own log has both).
+f) A `Repeat` opens an update as the last accepted plan did, with its own version; one that
+   names another layout, or a version the receiver may not take, is refused, nothing loaded.
 
 No test waits for time to pass: each observes what happened, and every deadline is a generous
 upper bound whose expiry fails the test.
@@ -54,6 +56,7 @@ from vllm_nccl_sync.wire.protocol import (
     Hello,
     Plan,
     Ready,
+    Repeat,
     Seal,
     Source,
     TensorSpec,
@@ -140,18 +143,21 @@ class Pair:
         self.ch.send(1, Digest(P, version, seq, digest))
         return digest
 
-    def through_seal(self, version: int, named: dict) -> None:
-        """A correct in-place update up to the receiver's `Ack`."""
+    def through_seal(self, version: int, named: dict, layout: int = 0,
+                     repeat: bool = False) -> None:
+        """A correct in-place update up to the receiver's `Ack`, opened by its plan (its layout
+        given id `layout`), or by a `Repeat` of layout `layout`."""
         buckets, headers = self.buckets(version, named)
-        self.ch.send(1, Plan(P, version, [], buckets=headers))
+        self.ch.send(1, Repeat(P, version, layout) if repeat else
+                     Plan(P, version, [], buckets=headers, layout=layout))
         self.expect(Ready, version)
         self.ch.send(1, Go(P, version, len(headers) - 1))
         sums = [self.bucket(version, k, b) for k, b in enumerate(buckets)]
         self.ch.send(1, Seal(P, version, len(sums), sums))
 
-    def good_update(self, version: int, seed: int) -> dict:
+    def good_update(self, version: int, seed: int, layout: int = 0, repeat: bool = False) -> dict:
         done = self.receive()
-        self.through_seal(version, weights(seed))
+        self.through_seal(version, weights(seed), layout, repeat)
         self.expect(Ack, version)
         self.ch.send(1, Commit(P, version, 1))
         summary, _ = done.result(BOUND)
@@ -523,3 +529,58 @@ def test_the_module_loader_checks_a_whole_batch_before_copying_any_of_it(bad, er
     assert loader.load([("a", torch.full((2, 3), 1.5)), ("b", torch.arange(4.0))]) == {"a", "b"}
     assert torch.equal(m.a, torch.full((2, 3), 1.5, dtype=torch.bfloat16))
     assert torch.equal(m.b, torch.arange(4.0)) and m.a.requires_grad
+
+
+# ---------------------------------------------------------------- f) layouts agreed once
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_repeat_of_the_last_accepted_layout_opens_its_update_as_that_plan(pair):
+    """The plan gives its layout id 7; a `Repeat` of 7 is that plan with its own version: the
+    same headers answered and joined, the new bytes loaded, every checksum checked."""
+    first = pair.good_update(1, seed=1, layout=7)
+    assert first["plan"] == "checked"
+    again = pair.good_update(2, seed=2, layout=7, repeat=True)
+    assert again["plan"] == "repeat" and again["buckets"] == first["buckets"]
+    assert all(torch.equal(p, weights(2)[n]) for n, p in _params(pair.model).items())
+    third = pair.good_update(3, seed=3, layout=7, repeat=True)  # and again, from version 3
+    assert third["plan"] == "repeat" and third["version"] == 3
+
+
+@pytest.mark.parametrize(("case", "version", "layout", "says"), [
+    ("unknown id", 2, 8, "it repeats layout 8, and this receiver holds layout 7"),
+    ("an old version", 1, 7, "it holds version 1"),
+    ("after a re-join", 2, 7, "it repeats layout 7, and this receiver holds no layout"),
+])
+def test_a_repeat_the_receiver_cannot_take_is_refused_with_nothing_loaded(case, version, layout,
+                                                                          says):
+    """A `Repeat` of another layout than the last accepted plan's (a stale id after joining
+    again included) or of a version the receiver may not take: refused before any collective,
+    named, nothing loaded (the model bit for bit as it was), the group kept."""
+    pair = Pair()
+    try:
+        pair.good_update(1, seed=1, layout=7)
+        if case == "after a re-join":
+            state = pair.rx.state
+            pair.close()
+            pair = Pair(state=state)  # a new group: what the old one agreed is gone
+        before = _params(pair.model)
+        done = pair.receive()
+        pair.ch.send(1, Repeat(P, version, layout))
+        err = pair.expect(Error, version)
+        assert says in err.message, err
+        pair.ch.send(1, Abort(P, version, -1, "a receiver refused"))
+        summary, _ = done.result(BOUND)
+        assert not summary["ok"] and says in summary["error"], summary
+        assert "plan" not in summary, summary
+        after = _params(pair.model)
+        assert all(torch.equal(after[n], t) for n, t in before.items())
+        assert not pair.rx.broken
+        # A full plan again (the same layout, another id: where it was kept, under the new id).
+        assert pair.good_update(5, seed=5, layout=9)["plan"] in ("checked", "kept")
+        assert pair.good_update(6, seed=6, layout=9, repeat=True)["plan"] == "repeat"
+    finally:
+        pair.close()

@@ -26,6 +26,7 @@ from vllm_nccl_sync.wire.protocol import (
     Error,
     Message,
     Plan,
+    Repeat,
     UnreadablePlan,
     belongs,
 )
@@ -69,9 +70,9 @@ class Inbox:
 
     # ------------------------------------------------------------------ waits
 
-    def opening(self, seconds: float) -> Plan:
-        """The next update's `Plan`, within `seconds`; anything else before it is dropped, but a
-        Plan that does not decode and names its update raises `UnreadablePlan`."""
+    def opening(self, seconds: float) -> Plan | Repeat:
+        """The next update's `Plan` (or `Repeat`), within `seconds`; anything else before it is
+        dropped, but a Plan that does not decode and names its update raises `UnreadablePlan`."""
         return self._take(Wait("the Plan of an update", seconds), None)
 
     def next(self, u: Update, wait: Wait) -> Message:
@@ -93,7 +94,8 @@ class Inbox:
             return None
 
     def _take(self, wait: Wait, u: Update | None) -> Message:
-        """The first message of update `u` (None: the first `Plan`) before the deadline."""
+        """The first message of update `u` (None: the first `Plan` or `Repeat`) before the
+        deadline."""
         while True:
             try:
                 msg = self.channel.recv(wait.left(), fail_on_drop=u is not None)
@@ -106,7 +108,7 @@ class Inbox:
                             self.rank, clip(str(e), 200))
                 self.dropped[f"undecodable frame ({clip(str(e), 200)})"] += 1
             else:
-                if isinstance(msg, Plan) if u is None else belongs(msg, u.version):
+                if isinstance(msg, (Plan, Repeat)) if u is None else belongs(msg, u.version):
                     if u is not None:
                         self.progress()
                     return msg

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import msgspec
 import torch
 
 from vllm_nccl_sync.engine.commit import CommitRound
@@ -47,6 +48,7 @@ from vllm_nccl_sync.wire.protocol import (
     Plan,
     ReadSet,
     Ready,
+    Repeat,
     Seal,
     TensorSpec,
     UnreadablePlan,
@@ -183,14 +185,32 @@ class Receiver:
         return Reassembler(reads=self.reads, keep_blocks=torch.clone, views=self._views)
 
     def _opening(self, u: Update, seconds: float) -> Plan:
-        """The next update's `Plan`, within `seconds`. A frame that claims to be the Plan of
-        update v but does not decode opened v all the same: v is refused as a whole (raises)."""
+        """The next update's `Plan` (a `Repeat`: the plan it names), within `seconds`. A frame
+        that claims to be the Plan of update v but does not decode opened v all the same: v is
+        refused as a whole (raises)."""
         try:
-            return self.inbox.opening(seconds)
+            msg = self.inbox.opening(seconds)
         except UnreadablePlan as e:
             u.version = e.version
             self._refuse(u, Problem(Kind.PLAN, f"rank {self.rank} refused update {e.version}: "
                                     f"its plan does not decode ({clip(str(e), 300)})"))
+        return self._repeated(msg, u) if isinstance(msg, Repeat) else msg
+
+    def _repeated(self, msg: Repeat, u: Update) -> Plan:
+        """The plan a `Repeat` names: the last accepted one, if its layout has that id, with the
+        repeat's version; else update `msg.version` is refused (its buckets are not known here,
+        so none is joined)."""
+        kept = self._layout.plan if self._layout is not None else None
+        if kept is None or kept.layout != msg.layout:
+            u.version = msg.version
+            held = f"layout {kept.layout}" if kept is not None and kept.layout else "no layout"
+            self._refuse(u, Problem(Kind.PLAN, f"rank {self.rank} refused update {msg.version}: "
+                                    f"it repeats layout {msg.layout}, and this receiver holds "
+                                    f"{held} (the last plan it accepted since it joined)"))
+        u.repeated = True
+        v = msg.version
+        return msgspec.structs.replace(kept, version=v, buckets=[
+            msgspec.structs.replace(h, version=v) for h in kept.buckets])
 
     def _open(self, plan: Plan, u: Update) -> None:
         """Answer the plan: one `Ready` for every header in it, or a refusal of it as a whole,
@@ -437,7 +457,7 @@ class Receiver:
         if u.marks:
             extra["steps_ms"] = u.steps_ms()
         if u.accepted >= 0:  # its headers checked, or the last accepted plan's layout again
-            extra["plan"] = "kept" if u.kept else "checked"
+            extra["plan"] = "repeat" if u.repeated else "kept" if u.kept else "checked"
         if self.plane.read_in_place:  # buckets read where they lie in the sender's memory
             extra["read_in_place"] = self.plane.read_in_place
         out = WorkerSummary(ok, self.rank, self.state.version, self.state.consistent,

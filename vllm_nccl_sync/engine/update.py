@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ class Layout:
     covered: dict[str | tuple, int]
     regions: dict[str, list[Block]]
     named: dict[str, TensorSpec]
+    plan: Plan
+    """The plan (its `layout` id: what a `Repeat` names)."""
 
 
 def _layout_key(plan: Plan, u: Update) -> tuple:
@@ -130,6 +132,8 @@ class Update:
     """The last plan this receiver accepted; after `open`, this one's (`kept`: the same)."""
     kept: bool = False
     """The plan's layout was the last accepted one's: its headers were not checked again."""
+    repeated: bool = False
+    """The update opened with a `Repeat` of the last accepted plan's layout."""
     marks: dict[str, float] = field(default_factory=dict)
     """When each step of the update was reached (`perf_counter`): the plan, each bucket arrived
     and loaded, the Seal, its check, the commit round (summed up by `steps_ms`)."""
@@ -182,7 +186,7 @@ class Update:
             self.refuse(problem)
             return problem
         self.layout = Layout(key, dict(self.covered), {n: list(b) for n, b in self.regions.items()},
-                             dict(self.named))
+                             dict(self.named), plan)
         return None
 
     def _keep(self, plan: Plan, key: tuple) -> bool:
@@ -191,6 +195,8 @@ class Update:
         a = self.layout
         if a is None or a.key != key or any(h.version != plan.version for h in plan.buckets):
             return False
+        if plan.layout != a.plan.layout:  # the same layout under another id
+            self.layout = replace(a, plan=plan)
         self.covered, self.named = dict(a.covered), dict(a.named)
         self.regions = {n: list(b) for n, b in a.regions.items()}
         self.headers = {h.seq: h for h in plan.buckets}

@@ -62,6 +62,7 @@ from vllm_nccl_sync.wire.protocol import (
     Hello,
     Plan,
     ReadSet,
+    Repeat,
     SenderHello,
     TensorSpec,
 )
@@ -92,7 +93,8 @@ class OneSender(Sender):
                  named_tensors: Mapping[str, torch.Tensor] | Iterable, version: int,
                  caster: Caster, *, force: bool, full: bool, staged: bool,
                  adapter: AdapterSpec | None, window: int,
-                 reads: Mapping[int, ReadSet] | None = None) -> None:
+                 reads: Mapping[int, ReadSet] | None = None,
+                 agreed: tuple[int, tuple] | None = None, layout_id: int = 0) -> None:
         self.rounds, self.lane, self.cfg = rounds, lane, cfg
         self.verdict = Lead(rounds)
         self.armed_s = cfg.timeout_s
@@ -109,6 +111,11 @@ class OneSender(Sender):
         """Announced buckets not yet sent: header, and how to get the wire bytes."""
         self.failure: BaseException | None = None
         """The tensor source's, after a Go."""
+        self.agreed, self.layout_id = agreed, layout_id
+        """The id and key of the layout every receiver holds (`PushClient`), and the id this
+        update's plan gives its own."""
+        self.layout: tuple[int, tuple] | None = None
+        """This update's layout (id, key), where it has one (`_opening`)."""
 
     def _lay_out(self) -> None:
         """The source as buckets: a state dict's planned now, a stream's as it is pulled."""
@@ -158,12 +165,28 @@ class OneSender(Sender):
             size += len(msgspec.msgpack.encode(headers[-1]))
         if any(h.at is not None for h in headers):
             self.lane.settle()  # what receivers read where it lies is final, and summed
-        self.rounds.open(Plan(PROTOCOL_VERSION, self.version, self.specs, self.full, self.force,
-                              self.adapter, headers, self.staged), headers[-1].seq,
-                         meanwhile=self._pack_first)
+        self.rounds.open(self._opening(headers), headers[-1].seq, meanwhile=self._pack_first)
         # A plan too big for one frame: the rest of its headers follow at the same distance.
         self.window = max(self.window, len(headers))
         return self._buckets()
+
+    def _opening(self, headers: list[BucketHeader]) -> Plan | Repeat:
+        """The message that opens this update: a `Repeat` where the plan's layout is the one
+        every receiver accepted for the last update, which committed (`agreed`); else the
+        `Plan`, its layout given the id `layout[0]` where it holds every header of a state
+        dict."""
+        key = (self.specs, [(h.seq, h.length, h.is_last, h.slots, h.force, h.staged, h.src, h.at,
+                             h.to) for h in headers], self.full, self.force, self.adapter,
+               self.staged)
+        if not (self.specs and headers[-1].is_last):
+            self.layout = None
+        elif self.agreed is not None and self.agreed[1] == key:
+            self.layout = self.agreed
+            return Repeat(PROTOCOL_VERSION, self.version, self.agreed[0])
+        else:
+            self.layout = (self.layout_id, key)
+        return Plan(PROTOCOL_VERSION, self.version, self.specs, self.full, self.force,
+                    self.adapter, headers, self.staged, self.layout[0] if self.layout else 0)
 
     def _pack_first(self) -> None:
         """Make the first bucket's wire bytes while the receivers check the plan, where its
@@ -276,6 +299,11 @@ class PushClient:
         self.transport: Transport | None = None
         self.lane: BucketLane | None = None
         self.rounds: Rounds | None = None
+        self._agreed: tuple[int, tuple] | None = None
+        """The id and key of the layout of the last update, which committed: every receiver
+        accepted its plan, so the next update of that layout opens with a `Repeat`."""
+        self._layouts = 0
+        """Layout ids given so far."""
         self._peer = PeerSender(cfg, rank, device) if rank > 0 else None
         if self._peer is None:
             self.channel = SenderChannel(cfg.host, cfg.control_port, cfg.secret_bytes)
@@ -413,16 +441,27 @@ class PushClient:
             return self._peer.push(named_tensors, version, dtype=dtype, force=force, full=full,
                                    staged=staged, balance=balance)
         caster = Caster(dtype, engine_dtype(self.hellos) if dtype is None else "")
-        parts = (self.rounds, self.lane, self.cfg, named_tensors, version, caster)
-        sender: Sender = (
-            Coordinator(*parts, force=force, full=full, staged=staged, balance=balance,
-                        reads=self.reads)
-            if self.cfg.num_senders > 1 else
-            OneSender(*parts, force=force, full=full, staged=staged, adapter=adapter,
-                      window=window, reads=None if adapter else self.reads))
+        sender = self._sender(named_tensors, version, caster, force=force, full=full,
+                              staged=staged, adapter=adapter, window=window, balance=balance)
         result = send(sender, version, caster, staged=staged, progress=progress, verified=verified)
+        self._agreed = getattr(sender, "layout", None)
         caster.report(version)
         return replace(result, whole=dict(self.whole)) if self.whole else result
+
+    def _sender(self, named_tensors: Mapping[str, torch.Tensor] | Iterable, version: int,
+                caster: Caster, *, force: bool, full: bool, staged: bool,
+                adapter: AdapterSpec | None, window: int, balance: bool) -> Sender:
+        """This update's `Sender`: the coordinator's with several senders, else one sender's,
+        told the layout every receiver holds (which only an update that commits keeps)."""
+        parts = (self.rounds, self.lane, self.cfg, named_tensors, version, caster)
+        agreed, self._agreed = self._agreed, None
+        self._layouts += 1
+        if self.cfg.num_senders > 1:
+            return Coordinator(*parts, force=force, full=full, staged=staged, balance=balance,
+                               reads=self.reads)
+        return OneSender(*parts, force=force, full=full, staged=staged, adapter=adapter,
+                         window=window, reads=None if adapter else self.reads, agreed=agreed,
+                         layout_id=self._layouts)
 
     def close(self) -> None:
         if self._peer is not None:

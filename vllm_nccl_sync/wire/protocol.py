@@ -9,6 +9,7 @@ One update (sender S, every receiver R):
     S -> R  Plan                   every tensor (a state dict) and the headers of the buckets
                                    known up front: all of them for a state dict, the first
                                    `window` for a stream
+            | Repeat               a plan every receiver accepted before, by its layout's id
     R -> S  Ready(k) | Error       every header up to k checked against the buffer and the model
     S -> R  Go(k) | Abort          every receiver said Ready(k): the collectives up to k will run
     stream only, while buckets flow: S -> R BucketHeader(j); R -> S Ready(j); S -> R Go(j)
@@ -31,6 +32,15 @@ and a side that fails after `Go` still joins every collective it agreed to, then
 update's version only on the last `Commit`: an engine never reports a version that some of its
 workers do not hold.
 
+Layouts agreed once: a `Plan` may give its layout (every tensor and header, but the version) an
+id. Once every receiver accepted it and the update committed, the sender opens a later update of
+the same layout with a `Repeat` naming that id: one small message instead of the plan, whatever
+the size of the model. A receiver holds the layout of the last plan it accepted since it joined;
+it answers a `Repeat` of that layout as it would the plan with the new version (every check that
+depends on the engine's state runs again: the version held, sleep, the shadow's room), and
+refuses a `Repeat` of any other id as a plan it cannot read. Everything after the opening is the
+same, checksums of every byte and the commit round included.
+
 Shard to shard (`SyncConfig.shard`): each worker's `Hello` carries its read set; a header may be
 for some receivers only (`to`: only they join its collective, point to point) and a slot may
 carry only some blocks of its tensor (`Slot.blocks`); a `Digest` goes to a bucket's receivers.
@@ -52,9 +62,9 @@ import msgspec
 
 from vllm_nccl_sync.outcomes import ProtocolError
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped on every incompatible change of these messages or of the checksums they carry
-(9: a worker's `Hello` may carry its read set, a slot may carry blocks of its tensor, a header
+(10: a `Plan` may give its layout an id, and a `Repeat` opens an update with that layout; 9: a worker's `Hello` may carry its read set, a slot may carry blocks of its tensor, a header
 may name the receivers it is for; 5: the CPU bucket checksum sums rows of 512 bytes; 6: `Hello` carries the engine's `dtype`, and
 the decoder enforces the bounds below; 7: a bucket may be read in place from the sender's
 exported memory (`BucketHeader.at`), and the CUDA checksum reads the bytes once; 8: such a
@@ -262,6 +272,19 @@ class Plan(msgspec.Struct, tag="plan", frozen=True, forbid_unknown_fields=True):
     """Headers of buckets 0, 1, ... of this update (at least bucket 0)."""
     staged: bool = False
     """Load nothing until the last bucket arrived and verified (needs memory for a full copy)."""
+    layout: Count = 0
+    """The id the sender gives this plan's layout (0: none): once every receiver accepted the
+    plan and its update committed, a later update of the same layout may open with a `Repeat`."""
+
+
+class Repeat(msgspec.Struct, tag="repeat", frozen=True, forbid_unknown_fields=True):
+    """Sender -> receivers: opens update `version` as the plan of layout `layout` opened its
+    own, with this version (the same tensors, headers and flags). A receiver whose last accepted
+    plan (since it joined) is not of that layout refuses the update."""
+
+    protocol: int
+    version: Count
+    layout: Positive
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):
@@ -384,8 +407,8 @@ class Sent(msgspec.Struct, tag="sent", frozen=True, forbid_unknown_fields=True):
     checksums: Annotated[dict[Count, Checksum], msgspec.Meta(max_length=MAX_BUCKETS)]
 
 
-Message = (Hello | Plan | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit | Error
-           | SenderHello | Offer | Sent)
+Message = (Hello | Plan | Repeat | BucketHeader | Ready | Go | Digest | Abort | Seal | Ack | Commit
+           | Error | SenderHello | Offer | Sent)
 
 
 def belongs(msg: Message, version: int) -> bool:
