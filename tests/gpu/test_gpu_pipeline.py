@@ -74,7 +74,7 @@ def _stand_in(wire: _Wire):
                     wire.cond.wait(0.05)
                 return table[k]
 
-        def _post(self, tensor, src):
+        def _post(self, tensor, src, to):  # every bucket goes to the one receiver
             k, self._n = self._n, self._n + 1
             cur = torch.cuda.current_stream(self.device)
             if self.rank == src:
