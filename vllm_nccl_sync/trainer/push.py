@@ -444,7 +444,7 @@ class PushClient:
         sender = self._sender(named_tensors, version, caster, force=force, full=full,
                               staged=staged, adapter=adapter, window=window, balance=balance)
         result = send(sender, version, caster, staged=staged, progress=progress, verified=verified)
-        self._agreed = getattr(sender, "layout", None)
+        self._agreed = sender.layout
         caster.report(version)
         return replace(result, whole=dict(self.whole)) if self.whole else result
 

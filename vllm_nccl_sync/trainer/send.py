@@ -71,6 +71,9 @@ class Sender(Protocol):
     """Names this sender in a failure of its own ("the trainer")."""
     armed_s: float
     """How long the data plane's deadman gives the update before its first extension."""
+    layout: tuple[int, tuple] | None = None
+    """This update's layout (its id and key) where its plan gave it one: once the update
+    committed, every receiver holds it, and the next update of it may open with a `Repeat`."""
 
     def agree(self) -> Buckets:
         """The plan agreed and its `Go` sent (or received); then this sender's buckets."""
