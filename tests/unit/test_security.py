@@ -237,6 +237,7 @@ class _StandIn:
     shares_buffers = False
     backend = "stand-in"
     export, mapped, keep_mapped = Transport.export, Transport.mapped, Transport.keep_mapped  # none
+    hand_over, side_socket = Transport.hand_over, Transport.side_socket
 
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")

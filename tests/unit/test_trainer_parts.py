@@ -158,6 +158,7 @@ class FakePlane:
     shares_buffers = False
     backend = "stand-in"
     export, mapped, keep_mapped = Transport.export, Transport.mapped, Transport.keep_mapped  # none
+    hand_over, side_socket = Transport.hand_over, Transport.side_socket
 
     def __init__(self, fail_at: int = -1) -> None:
         self.posted: list[torch.Tensor] = []

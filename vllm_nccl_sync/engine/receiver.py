@@ -118,6 +118,8 @@ class Receiver:
                                    for s in range(cfg.num_senders)], cfg.bucket_bytes, device)
         self.transports = self.plane.transports
         self.transport = self.transports[0]
+        for side in filter(None, (t.side_socket() for t in self.transports)):
+            self.channel.serve(*side)  # served whenever this receiver waits for the trainer
         self.buffers = self.plane.buffers
         self._round = CommitRound(self.inbox, self.plane, rank, cfg.timeout_s, self.verdict_s,
                                   residency)

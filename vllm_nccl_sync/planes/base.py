@@ -14,7 +14,7 @@ import abc
 import contextlib
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -122,6 +122,16 @@ class Transport(abc.ABC):
         """Sender: where `t`'s bytes lie in memory the receivers map, so its bucket is read in
         place (`BucketHeader.at`); None (gloo, nccl; the same-host planes where they cannot
         export it): it travels by broadcast."""
+        return None
+
+    def hand_over(self) -> None:
+        """Sender: give the receivers what they need to read what `export` named, before a
+        plan names it (the same-host planes: the memory exported since the last call)."""
+
+    def side_socket(self) -> tuple[int, Callable[[], bool]] | None:
+        """Receiver: a socket of this plane's own that must be served whenever the receiver
+        waits for the trainer (`fd`, and what to call when it is readable: False once it
+        needs no more), or None."""
         return None
 
     def mapped(self, at: Source, length: int) -> torch.Tensor:

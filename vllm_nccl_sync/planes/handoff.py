@@ -14,7 +14,10 @@ handles (`ipc`) travel the same way, as bytes, so they too come only from the pe
 
 Every socket operation has the config's timeout. Messages are msgspec structs, one per packet
 (`SOCK_SEQPACKET` keeps their boundaries); descriptors that arrive with anything but the message
-that announces them are closed.
+that announces them are closed. Memory goes many segments to a packet (up to the kernel's 253
+descriptors), and a receiver takes packets whenever it waits for the trainer's next message
+(`Link.take`, served by its control channel): a push exporting thousands of storages never
+fills the socket's buffer while its receivers wait for the plan.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ _TMPFS_MAGIC = 0x01021994
 NAME_PREFIX = b"\0vllm_nccl_sync-"
 """Every handoff socket's abstract name starts with this; a receiver refuses any other."""
 _MAX_MESSAGE = 1 << 16
-_MAX_FDS = 4
+_MAX_FDS = 253
+"""The most descriptors one packet carries (the kernel's `SCM_MAX_FD`)."""
 _JOIN, _HELLO = b"handoff join", b"handoff hello"
 """MAC directions (`wire.frames.mac`) of the join record and a receiver's answer."""
 
@@ -67,14 +71,24 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
     proof: bytes
 
 
-class Memory(msgspec.Struct, tag=True, frozen=True):
-    """Sender to receiver: memory to map. `segment` -1 is the group's own (control block and
-    bucket buffers); others are storages to read in place. `handle` is the plane's
-    (msgpack bytes); `fds` how many descriptors come with this message."""
+class Segment(msgspec.Struct, array_like=True, frozen=True):
+    """One piece of memory to map. `segment` -1 is the group's own (control block and bucket
+    buffers); others are storages to read in place. `handle` is the plane's (msgpack bytes);
+    `fds` how many of its packet's descriptors are this segment's (in order)."""
 
     segment: int
     handle: bytes
     fds: int
+
+
+class Memory(msgspec.Struct, tag=True, frozen=True):
+    """Sender to receiver: memory to map, its descriptors with this packet."""
+
+    segments: list[Segment]
+
+    @property
+    def fds(self) -> int:
+        return sum(s.fds for s in self.segments)
 
 
 class Forget(msgspec.Struct, tag=True, frozen=True):
@@ -182,6 +196,8 @@ class _Socket:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                 raise ValueError("a handoff packet longer than allowed")
             packet = _decoder.decode(data)
+            if isinstance(packet, Memory) and min(s.fds for s in packet.segments) < 0:
+                raise ValueError("a Memory packet announces a negative number of descriptors")
             if len(fds) != (packet.fds if isinstance(packet, Memory) else 0):
                 raise ValueError(f"a {type(packet).__name__} packet came with {len(fds)} "
                                  "descriptors it does not announce")
@@ -270,6 +286,23 @@ class Hub:
         for rank in self.links:
             self.send(rank, packet, fds)
 
+    def hand_over(self, memory: list[tuple[int, bytes, list[int]]]) -> None:
+        """Send every receiver `memory` (segment, handle, descriptors), as few packets as the
+        kernel's bounds allow; a receiver whose socket fails is marked `gone`."""
+        packet: list[Segment] = []
+        fds: list[int] = []
+        size = 0
+        for segment, handle, its in memory:
+            if packet and (len(fds) + len(its) > _MAX_FDS
+                           or size + len(handle) + 32 > _MAX_MESSAGE // 2):
+                self.publish(Memory(packet), fds)
+                packet, fds, size = [], [], 0
+            packet.append(Segment(segment, handle, len(its)))
+            fds += its
+            size += len(handle) + 32
+        if packet:
+            self.publish(Memory(packet), fds)
+
     def attached(self) -> None:
         """Wait (bounded) until every receiver said it mapped the group's memory."""
         for rank, link in self.links.items():
@@ -302,6 +335,7 @@ class Link:
         self.sender = self._sock.peer
         """The sender's process and user, from the kernel."""
         self.announced: dict[int, tuple[bytes, list[int]]] = {}
+        self.failed = ""
         try:
             challenge, _ = self._sock.recv()
             if not isinstance(challenge, Challenge):
@@ -320,13 +354,27 @@ class Link:
             raise ValueError("the sender did not hand over the group's memory first")
         return got
 
+    def fileno(self) -> int:
+        return self._sock.sock.fileno()
+
+    def take(self) -> bool:
+        """Take the packets waiting, without blocking; False once the socket failed (closed,
+        or a packet refused: `failed` says why, and no segment is announced after it)."""
+        if not self.failed:
+            try:
+                self._take(block=False)
+            except (ValueError, OSError) as e:
+                self.failed = str(e)
+        return not self.failed
+
     def attached(self, rank: int) -> None:
         self._sock.send(Attached(rank))
 
     def segment(self, n: int) -> tuple[bytes, list[int]]:
         """Segment `n` as the sender announced it (everything it sent so far is taken first:
         a plan comes after the memory it names); `ValueError` if it never announced it."""
-        self._take(block=False)
+        if not self.take():
+            raise ValueError(f"the sender's handoff socket failed: {self.failed}")
         got = self.announced.get(n)
         if got is None:
             raise ValueError(f"memory segment {n} was never exported by the sender")
@@ -348,8 +396,13 @@ class Link:
             sock.settimeout(self._sock.timeout_s)
 
     def _keep(self, packet: Packet, fds: list[int]) -> None:
-        if isinstance(packet, Memory) and packet.segment not in self.announced:
-            self.announced[packet.segment] = (packet.handle, fds)
+        if isinstance(packet, Memory):
+            for s in packet.segments:
+                its, fds = fds[: s.fds], fds[s.fds :]
+                if s.segment in self.announced:  # the first handle given stays
+                    _close(its)
+                else:
+                    self.announced[s.segment] = (s.handle, its)
         elif isinstance(packet, Forget):
             for s in packet.segments:
                 _close(self.announced.pop(s, (b"", []))[1])

@@ -31,10 +31,11 @@ and a receiver checks each (shared memory of the sender's user, of the size anno
 from __future__ import annotations
 
 import abc
+import logging
 import mmap
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, ClassVar
 
 import torch
@@ -48,7 +49,6 @@ from vllm_nccl_sync.planes.handoff import (
     Hub,
     Join,
     Link,
-    Memory,
     checked_fd,
     new_memory,
     open_join,
@@ -57,6 +57,8 @@ from vllm_nccl_sync.planes.handoff import (
 from vllm_nccl_sync.planes.segments import Exports, Mappings
 from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.protocol import Source
+
+log = logging.getLogger(__name__)
 
 MAGIC = 0x766E735F73686D32  # "vns_shm2"
 _CTRL = 4096
@@ -128,6 +130,8 @@ class SharedTransport(Transport):
 
     def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
         self._exports = Exports()  # the sender's memory read in place (`export`)
+        self._unsent: list[tuple[int, bytes, list[int]]] = []  # exported, to hand over
+        self._forgot: list[int] = []  # segments of storages that died, to tell
         self._mappings = Mappings(self._segment)  # what a receiver mapped of it (`mapped`)
         self._timeout_s = cfg.timeout_s
         self._bucket_bytes = cfg.bucket_bytes
@@ -175,7 +179,7 @@ class SharedTransport(Transport):
             handle, fds, buffers = self._export(cfg.bucket_bytes, keep)
             store.set("join", seal_join(Join(MAGIC, hub.name, cfg.bucket_bytes), cfg.secret_bytes))
             hub.accept(range(1, cfg.world_size))
-            hub.publish(Memory(-1, handle, 1 + len(fds)), [ctrl_fd, *fds])
+            hub.hand_over([(-1, handle, [ctrl_fd, *fds])])
             hub.attached()
         finally:  # the mappings keep the memory; receivers hold their own descriptors
             for fd in (ctrl_fd, *fds):
@@ -234,8 +238,9 @@ class SharedTransport(Transport):
 
     def export(self, t: torch.Tensor) -> Source | None:
         """Where tensor `t`'s bytes lie in memory exported to the receivers (its storage is
-        exported on first use, once, and handed to every receiver); None if it
-        cannot be (another device, not contiguous, or memory the plane cannot export)."""
+        exported on first use, once, and handed to every receiver by the next `hand_over`);
+        None if it cannot be (another device, not contiguous, or memory the plane cannot
+        export)."""
         if t.device != self.device or not t.is_contiguous():
             return None
         storage = t.untyped_storage()
@@ -247,13 +252,32 @@ class SharedTransport(Transport):
                 segment = -1
             else:
                 segment = self._exports.number()
-                self.pg.peer.publish(Memory(segment, handle, len(fds)), fds)
-            dead = self._exports.add(storage, segment)
-            if dead:  # no plan can name these again
-                self.pg.peer.publish(Forget(dead))
+                self._unsent.append((segment, handle, fds))
+            self._forgot += self._exports.add(storage, segment)  # no plan names these again
         if segment < 0:
             return None
         return Source(segment, t.storage_offset() * t.element_size())
+
+    def hand_over(self) -> None:
+        """Hand every receiver the memory exported since the last call, and the segments
+        that died meanwhile (receivers take them while they wait for the plan). A receiver
+        whose handoff socket fails (its buffer stayed full for the timeout: it never waited
+        for a plan) is named in the log; it refuses any plan that names this memory."""
+        hub: Hub = self.pg.peer
+        gone = set(hub.gone)
+        if self._forgot:
+            hub.publish(Forget(self._forgot))
+            self._forgot = []
+        if self._unsent:
+            hub.hand_over(self._unsent)
+            self._unsent = []
+        for rank in hub.gone.keys() - gone:
+            log.warning("%s plane: rank %d no longer gets memory to read in place: %s",
+                        self.backend, rank, hub.gone[rank])
+
+    def side_socket(self) -> tuple[int, Callable[[], bool]] | None:
+        """A receiver's handoff socket, and how to take what arrived on it."""
+        return None if self.rank == 0 else (self.pg.peer.fileno(), self.pg.peer.take)
 
     def mapped(self, at: Source, length: int) -> torch.Tensor:
         """The `length` bytes at `at`, mapped (each segment once); `ValueError` naming what is

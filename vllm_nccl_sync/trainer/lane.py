@@ -216,8 +216,10 @@ class BucketLane:
         return places
 
     def settle(self) -> None:
-        """Wait (bounded) for this device's queued work: what receivers read where it lies is
-        final, and its checksums are computed, before they are told to read it."""
+        """Before a plan names memory read where it lies: the receivers got it (`hand_over`),
+        and this device's queued work is done (bounded): what they read is final and its
+        checksums computed."""
+        self.transport.hand_over()
         if self.device.type == "cuda":
             self.transport.wait_stream(torch.cuda.current_stream(self.device), self.timeout_s)
 

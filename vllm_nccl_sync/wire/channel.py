@@ -47,6 +47,7 @@ import math
 import secrets
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -312,6 +313,7 @@ class ReceiverChannel(_Counting):
             self._polled = self._sock  # the socket as registered (tests may wrap `_sock`)
             self._poller.register(self._polled, zmq.POLLIN)
             self._poller.register(self._link.socket, zmq.POLLIN)
+            self._served: dict[int, Callable[[], bool]] = {}
             self._sock.connect(self.endpoint)
         except BaseException:
             self.close()
@@ -321,6 +323,12 @@ class ReceiverChannel(_Counting):
     def dropped(self) -> str:
         """Why the connection to the trainer is down ("" while it is up, or not yet tried)."""
         return self._link.read()
+
+    def serve(self, fd: int, take: Callable[[], bool]) -> None:
+        """Serve socket `fd` while waiting for a message: `take()` whenever it is readable,
+        until it returns False (a data plane's own socket, whose sender may block on it)."""
+        self._served[fd] = take
+        self._poller.register(fd, zmq.POLLIN)
 
     def send(self, msg: Message, timeout_s: float = 5.0) -> None:
         """Send `msg` to the trainer, waiting at most `timeout_s` for room to queue it.
@@ -359,6 +367,10 @@ class ReceiverChannel(_Counting):
         while True:
             left = deadline - time.monotonic()
             ready = dict(self._poller.poll(max(math.ceil(left * 1000), 0)))
+            for fd in self._served.keys() & ready.keys():
+                if not self._served[fd]():
+                    del self._served[fd]
+                    self._poller.unregister(fd)
             if self._link.socket in ready:
                 dropped = self._link.read()
                 if fail_on_drop and dropped and self._polled not in ready:
