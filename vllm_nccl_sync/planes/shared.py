@@ -66,6 +66,8 @@ _CTRL = 4096
 _LENGTH = 4  # words: length[2]
 _RANKS = 8  # words from here, per receiver rank r (1..world-1): released[2], ready[2]
 _LIVENESS_S = 0.05
+_FORGET = 4096
+"""Segments per `Forget` packet (each well within a packet's 64 KiB)."""
 
 
 def _released(r: int, i: int) -> int:
@@ -130,7 +132,9 @@ class SharedTransport(Transport):
 
     def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
         self._exports = Exports()  # the sender's memory read in place (`export`)
-        self._unsent: list[tuple[int, bytes, list[int]]] = []  # exported, to hand over
+        self._unsent: list[tuple[int, bytes, list[int], Any]] = []
+        """Exported, to hand over: segment, handle, descriptors, and the storage (held until
+        then, so its descriptors stay its own)."""
         self._forgot: list[int] = []  # segments of storages that died, to tell
         self._mappings = Mappings(self._segment)  # what a receiver mapped of it (`mapped`)
         self._timeout_s = cfg.timeout_s
@@ -252,7 +256,7 @@ class SharedTransport(Transport):
                 segment = -1
             else:
                 segment = self._exports.number()
-                self._unsent.append((segment, handle, fds))
+                self._unsent.append((segment, handle, fds, storage))
             self._forgot += self._exports.add(storage, segment)  # no plan names these again
         if segment < 0:
             return None
@@ -265,11 +269,11 @@ class SharedTransport(Transport):
         for a plan) is named in the log; it refuses any plan that names this memory."""
         hub: Hub = self.pg.peer
         gone = set(hub.gone)
-        if self._forgot:
-            hub.publish(Forget(self._forgot))
-            self._forgot = []
+        for i in range(0, len(self._forgot), _FORGET):
+            hub.publish(Forget(self._forgot[i : i + _FORGET]))
+        self._forgot = []
         if self._unsent:
-            hub.hand_over(self._unsent)
+            hub.hand_over([(segment, handle, fds) for segment, handle, fds, _ in self._unsent])
             self._unsent = []
         for rank in hub.gone.keys() - gone:
             log.warning("%s plane: rank %d no longer gets memory to read in place: %s",
