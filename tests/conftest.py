@@ -18,11 +18,18 @@ from vllm_nccl_sync.trainer.sync import free_port  # noqa: E402,F401  (re-export
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without a GPU, and GPU tests of a vLLM engine without vLLM (a GPU machine
+    may lack it; the CPU tests of an engine never skip: CI installs vLLM)."""
+    import importlib.util
+
     import torch
 
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        skip, needs = pytest.mark.skip(reason="needs a CUDA GPU"), {"gpu"}
+    elif importlib.util.find_spec("vllm") is None:
+        skip, needs = pytest.mark.skip(reason="needs vLLM"), {"gpu", "vllm"}
+    else:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if all(k in item.keywords for k in needs):
             item.add_marker(skip)

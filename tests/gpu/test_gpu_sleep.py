@@ -28,6 +28,7 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.vllm,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 MAX_TOKENS = 8
