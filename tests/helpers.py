@@ -91,3 +91,28 @@ def stop_async_llm(engine: Any, loop: Any, timeout_s: float = 60.0) -> None:
         engine.shutdown()
 
     asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)
+
+
+def storages(seed: int, n: int = 400) -> dict[str, torch.Tensor]:
+    """`n` small tensors, each its own storage (on a same-host plane: a segment to export)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(8 + i % 9, 64, generator=g) for i in range(n)}
+
+
+def push_rewritten(cfg: dict, seeds: list[int], where: str) -> list[int]:
+    """Pushes `storages(seed)` for each seed as a state dict of tensors made once (`where`:
+    "shared", moved into shared memory; "cuda", on GPU 0) and rewritten in place before each
+    push (the same storages: the layout is kept)."""
+    from vllm_nccl_sync import PushClient, SyncConfig
+
+    device = torch.device("cuda", 0) if where == "cuda" else None
+    client = PushClient(SyncConfig(**cfg), device)
+    client.connect()
+    held = {n: t.cuda() if device else t.share_memory_() for n, t in storages(seeds[0]).items()}
+    for seed in seeds:
+        for n, t in storages(seed).items():
+            held[n].copy_(t)
+        client.push(held, version=seed)
+    client.close()
+    return seeds
+

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from tests.helpers import push_rewritten, storages
 from tests.procs import run_procs
 
 pytestmark = [
@@ -298,37 +299,16 @@ def test_a_state_dict_is_read_where_it_lies_bit_exact_and_the_trainer_writes_onl
     assert got["in_place"]
 
 
-def many(seed: int) -> dict[str, torch.Tensor]:
-    """400 small tensors: on the GPU, each its own storage to export."""
-    g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.weight": torch.randn(16 + i % 9, 64, generator=g) for i in range(400)}
-
-
-def many_storages_trainer(cfg: dict, seeds: list[int]) -> list[str]:
-    """Pushes `many` as a state dict from the GPU, rewritten in place before each push."""
-    from vllm_nccl_sync import PushClient, SyncConfig
-
-    client = PushClient(SyncConfig(**cfg), torch.device("cuda", 0))
-    client.connect()
-    named = {n: t.cuda() for n, t in many(seeds[0]).items()}
-    for seed in seeds:
-        for n, t in many(seed).items():
-            named[n].copy_(t)
-        client.push(named, version=seed)
-    client.close()
-    return seeds
-
-
 def test_a_state_dict_of_hundreds_of_storages_is_read_in_place_bit_exact():
     """400 storages exported before the plan (one handle to a packet, they once outgrew the
     handoff socket's buffer and the plan was refused): each update bit-exact, the second a
     repeat of the first's layout."""
     cfg, seeds = _cfg(), [1, 2]
-    _, got = run_procs([(many_storages_trainer, (cfg, seeds)),
-                        (receiver, (cfg, len(seeds), 0, None, many))], DEADLINE)
+    _, got = run_procs([(push_rewritten, (cfg, seeds, "cuda")),
+                        (receiver, (cfg, len(seeds), 0, None, storages))], DEADLINE)
     for seed, upd in zip(seeds, got["updates"], strict=True):
         assert upd["summary"]["ok"] and upd["summary"]["version"] == seed, upd["summary"]
-        assert upd["digests"] == digests(many(seed))
+        assert upd["digests"] == digests(storages(seed))
         assert upd["summary"]["read_in_place"] > 0
     assert [u["summary"]["plan"] for u in got["updates"]] == ["checked", "repeat"]
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from tests.helpers import push_rewritten, storages
 from tests.multiproc.test_gloo_multiproc import DigestLoader, digest, model_tensors
 from tests.procs import run_procs
 from tests.unit.test_planes import _pair
@@ -286,36 +287,17 @@ def test_tensors_in_shared_memory_are_read_in_place_bit_exact():
         assert s["shared"] and not s["plain_shared"]
 
 
-def _many(seed: int) -> dict[str, torch.Tensor]:
-    """400 small tensors, each its own storage."""
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.weight": torch.randn(8 + i % 9, 16, generator=g) for i in range(400)}
-
-
-def _many_storages_sender(cfg: dict, seeds: list[int]) -> list[str]:
-    """Pushes `_many` with every storage in shared memory (each exported to the receiver),
-    rewritten in place before each push; the engine's summary `plan` per update."""
-    client = PushClient(SyncConfig(**cfg))
-    client.connect()
-    tensors = {n: t.share_memory_() for n, t in _many(seeds[0]).items()}
-    for seed in seeds:
-        for n, t in _many(seed).items():
-            tensors[n].copy_(t)
-        client.push(tensors, version=seed)
-    client.close()
-    return seeds
-
-
 def test_a_state_dict_of_hundreds_of_storages_is_read_in_place_bit_exact():
     """400 storages exported before the plan (more packets than a handoff socket's buffer held
     one storage to a packet): every one reaches the receiver, each update bit-exact, the second
     a repeat of the first's layout."""
     cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
                bucket_bytes=1 << 20, timeout_s=30.0)
-    _, got = run_procs([(_many_storages_sender, (cfg, [1, 2])), (_receiver, (cfg, 2, -1))], 120)
+    _, got = run_procs([(push_rewritten, (cfg, [1, 2], "shared")), (_receiver, (cfg, 2, -1))],
+                       120)
     for seed, g in zip([1, 2], got, strict=True):
         assert g["summary"]["ok"], g["summary"]
-        assert g["digests"] == _expected(_many(seed))
+        assert g["digests"] == _expected(storages(seed))
         assert g["summary"]["read_in_place"] > 0
     assert [g["summary"]["plan"] for g in got] == ["checked", "repeat"]
 

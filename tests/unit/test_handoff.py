@@ -44,6 +44,23 @@ def pair():
         hub.close()
 
 
+@pytest.fixture
+def served(pair):
+    """A hub and link (`pair`), and a trainer's control channel with the receiver's, the link
+    served while the receiver waits (as `Receiver` does)."""
+    hub, link = pair()
+    port = free_port()
+    trainer = SenderChannel("127.0.0.1", port, SECRET)
+    rx = ReceiverChannel("127.0.0.1", port, 1, SECRET)
+    try:
+        join(trainer, rx)
+        rx.serve(link.fileno(), link.take)
+        yield hub, link, trainer, rx
+    finally:
+        rx.close()
+        trainer.close()
+
+
 def test_memory_goes_many_segments_to_a_packet_each_with_its_own_descriptors(pair, monkeypatch):
     hub, link = pair()
     sent: list[int] = []
@@ -67,32 +84,23 @@ def test_memory_goes_many_segments_to_a_packet_each_with_its_own_descriptors(pai
     assert link.take() and sorted(link.announced) == list(range(1, 600, 2))
 
 
-def test_a_receiver_waiting_for_the_trainer_takes_memory_past_the_socket_buffer(pair):
+def test_a_receiver_waiting_for_the_trainer_takes_memory_past_the_socket_buffer(served):
     """Memory many times the socket's buffer: the sender's sends complete because the receiver
     takes it while it waits for the trainer's next message (which the sender sends after)."""
-    hub, link = pair()
-    port = free_port()
-    trainer = SenderChannel("127.0.0.1", port, SECRET)
-    rx = ReceiverChannel("127.0.0.1", port, 1, SECRET)
-    try:
-        join(trainer, rx)
-        rx.serve(link.fileno(), link.take)
-        go = Go(protocol=PROTOCOL_VERSION, version=1, seq=0)
-        memory = [(n, bytes([n % 251]) * 8000, []) for n in range(400)]  # 3.2 MB of handles
+    hub, link, trainer, rx = served
+    go = Go(protocol=PROTOCOL_VERSION, version=1, seq=0)
+    memory = [(n, bytes([n % 251]) * 8000, []) for n in range(400)]  # 3.2 MB of handles
 
-        def send() -> None:
-            hub.hand_over(memory)
-            trainer.send(1, go)
+    def send() -> None:
+        hub.hand_over(memory)
+        trainer.send(1, go)
 
-        t = threading.Thread(target=send)
-        t.start()
-        assert rx.recv(30.0) == go
-        t.join(30.0)
-        assert not hub.gone
-        assert all(link.segment(n)[0] == h for n, h, _ in memory)
-    finally:
-        rx.close()
-        trainer.close()
+    t = threading.Thread(target=send)
+    t.start()
+    assert rx.recv(30.0) == go
+    t.join(30.0)
+    assert not hub.gone
+    assert all(link.segment(n)[0] == h for n, h, _ in memory)
 
 
 def test_memory_nobody_takes_fails_its_send_at_the_timeout_and_names_the_receiver(pair):
@@ -109,39 +117,21 @@ def test_memory_nobody_takes_fails_its_send_at_the_timeout_and_names_the_receive
     (Memory([Segment(0, b"", 1)]), "descriptors it does not announce"),
     (Memory([Segment(0, b"", -1), Segment(1, b"", 1)]), "negative number of descriptors"),
 ])
-def test_a_handoff_socket_that_failed_is_no_longer_served(pair, bad, why):
-    hub, link = pair()
-    port = free_port()
-    trainer = SenderChannel("127.0.0.1", port, SECRET)
-    rx = ReceiverChannel("127.0.0.1", port, 1, SECRET)
-    try:
-        join(trainer, rx)
-        rx.serve(link.fileno(), link.take)
-        hub.links[1].send(bad)  # no descriptor comes with it
-        hub.links[1].send(Memory([Segment(1, b"", 0)]))  # (after a refused one: not taken)
-        with pytest.raises(TimeoutError):
-            rx.recv(0.2)
-        assert rx._served == {}  # taken once, refused, then no longer polled
-        assert why in link.failed and not link.announced
-        with pytest.raises(ValueError, match="the sender's handoff socket failed"):
-            link.segment(0)
-    finally:
-        rx.close()
-        trainer.close()
+def test_a_handoff_socket_that_failed_is_no_longer_served(served, bad, why):
+    hub, link, _, rx = served
+    hub.links[1].send(bad)  # no descriptor comes with it
+    hub.links[1].send(Memory([Segment(1, b"", 0)]))  # (after a refused one: not taken)
+    with pytest.raises(TimeoutError):
+        rx.recv(0.2)
+    assert rx._served == {}  # taken once, refused, then no longer polled
+    assert why in link.failed and not link.announced
+    with pytest.raises(ValueError, match="the sender's handoff socket failed"):
+        link.segment(0)
 
 
-def test_a_closed_handoff_socket_is_no_longer_served(pair):
-    hub, link = pair()
-    port = free_port()
-    trainer = SenderChannel("127.0.0.1", port, SECRET)
-    rx = ReceiverChannel("127.0.0.1", port, 1, SECRET)
-    try:
-        join(trainer, rx)
-        rx.serve(link.fileno(), link.take)
-        hub.close()
-        with pytest.raises(TimeoutError):
-            rx.recv(0.2)
-        assert rx._served == {} and "closed the handoff socket" in link.failed
-    finally:
-        rx.close()
-        trainer.close()
+def test_a_closed_handoff_socket_is_no_longer_served(served):
+    hub, link, _, rx = served
+    hub.close()
+    with pytest.raises(TimeoutError):
+        rx.recv(0.2)
+    assert rx._served == {} and "closed the handoff socket" in link.failed
