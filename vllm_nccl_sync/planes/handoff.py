@@ -196,7 +196,7 @@ class _Socket:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                 raise ValueError("a handoff packet longer than allowed")
             packet = _decoder.decode(data)
-            if isinstance(packet, Memory) and min(s.fds for s in packet.segments) < 0:
+            if isinstance(packet, Memory) and min((s.fds for s in packet.segments), default=0) < 0:
                 raise ValueError("a Memory packet announces a negative number of descriptors")
             if len(fds) != (packet.fds if isinstance(packet, Memory) else 0):
                 raise ValueError(f"a {type(packet).__name__} packet came with {len(fds)} "
