@@ -46,6 +46,8 @@ NAME_PREFIX = b"\0vllm_nccl_sync-"
 _MAX_MESSAGE = 1 << 16
 _MAX_FDS = 253
 """The most descriptors one packet carries (the kernel's `SCM_MAX_FD`)."""
+_FORGET = 4096
+"""Segments per `Forget` packet (each well within `_MAX_MESSAGE`)."""
 _JOIN, _HELLO = b"handoff join", b"handoff hello"
 """MAC directions (`wire.frames.mac`) of the join record and a receiver's answer."""
 
@@ -285,6 +287,11 @@ class Hub:
         """Send to every receiver."""
         for rank in self.links:
             self.send(rank, packet, fds)
+
+    def forget(self, segments: list[int]) -> None:
+        """Tell every receiver these segments' storages died, `_FORGET` to a packet."""
+        for i in range(0, len(segments), _FORGET):
+            self.publish(Forget(segments[i : i + _FORGET]))
 
     def hand_over(self, memory: list[tuple[int, bytes, list[int]]]) -> None:
         """Send every receiver `memory` (segment, handle, descriptors), as few packets as the

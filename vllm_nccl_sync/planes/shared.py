@@ -45,7 +45,6 @@ from vllm_nccl_sync.outcomes import PeerFailed
 from vllm_nccl_sync.planes.base import Handle, Transport
 from vllm_nccl_sync.planes.handoff import (
     Creds,
-    Forget,
     Hub,
     Join,
     Link,
@@ -66,8 +65,6 @@ _CTRL = 4096
 _LENGTH = 4  # words: length[2]
 _RANKS = 8  # words from here, per receiver rank r (1..world-1): released[2], ready[2]
 _LIVENESS_S = 0.05
-_FORGET = 4096
-"""Segments per `Forget` packet (each well within a packet's 64 KiB)."""
 
 
 def _released(r: int, i: int) -> int:
@@ -132,7 +129,7 @@ class SharedTransport(Transport):
 
     def _group(self, store: dist.Store, cfg: SyncConfig) -> Any:
         self._exports = Exports()  # the sender's memory read in place (`export`)
-        self._unsent: list[tuple[int, bytes, list[int], Any]] = []
+        self._unsent: list[tuple[int, bytes, list[int], torch.UntypedStorage]] = []
         """Exported, to hand over: segment, handle, descriptors, and the storage (held until
         then, so its descriptors stay its own)."""
         self._forgot: list[int] = []  # segments of storages that died, to tell
@@ -269,8 +266,7 @@ class SharedTransport(Transport):
         for a plan) is named in the log; it refuses any plan that names this memory."""
         hub: Hub = self.pg.peer
         gone = set(hub.gone)
-        for i in range(0, len(self._forgot), _FORGET):
-            hub.publish(Forget(self._forgot[i : i + _FORGET]))
+        hub.forget(self._forgot)
         self._forgot = []
         if self._unsent:
             hub.hand_over([(segment, handle, fds) for segment, handle, fds, _ in self._unsent])

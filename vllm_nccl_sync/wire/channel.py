@@ -367,7 +367,7 @@ class ReceiverChannel(_Counting):
         while True:
             left = deadline - time.monotonic()
             ready = dict(self._poller.poll(max(math.ceil(left * 1000), 0)))
-            for fd in self._served.keys() & ready.keys():
+            for fd in self._served.keys() & ready.keys() if self._served else ():
                 if not self._served[fd]():
                     del self._served[fd]
                     self._poller.unregister(fd)
