@@ -100,15 +100,20 @@ def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict
         raw.broadcast(torch.ones(1, dtype=torch.uint8), src=1).wait()
     raw.close()
     rxs = join_receivers(cfgs)
-    for _ in range(reps + 1):
+    steps: dict[str, list[dict[str, float]]] = {name: [] for name in cfgs}
+    for rep in range(reps + 1):
         for name in cfgs:
             s = rxs[name].receive(ModuleLoader(_Params(tensors[name])), timeout_s=300)
             if not s["ok"]:
                 raise RuntimeError(f"{name}: {s['error']}")
+            if rep:  # after the warm-up
+                steps[name].append(s["steps_ms"])
     for rx in rxs.values():
         rx.close()
     return {"digests": {name: {n: digest(t) for n, t in ts.items()}
-                        for name, ts in tensors.items()}}
+                        for name, ts in tensors.items()},
+            "steps_ms": {name: {k: round(statistics.median(u.get(k, 0.0) for u in ups), 2)
+                                for k in ups[0]} for name, ups in steps.items()}}
 
 
 def main() -> None:
@@ -129,11 +134,14 @@ def main() -> None:
               "gbps": {k: tr["payload"] / v / 1e9 for k, v in med.items()},
               "of_raw_gloo": {k: med["raw_gloo"] / v for k, v in med.items()},
               "of_memcpy": {k: med["memcpy"] / v for k, v in med.items()},
-              "bit_exact": {n: d == tr["digests"] for n, d in rx["digests"].items()}}
+              "bit_exact": {n: d == tr["digests"] for n, d in rx["digests"].items()},
+              "receiver_steps_ms": rx["steps_ms"]}
     for k in med:
         print(f"{k:17s} {med[k] * 1e3:9.1f} ms  {report['gbps'][k]:6.2f} GB/s  "
               f"{report['of_raw_gloo'][k]:5.2f} of raw gloo  {report['of_memcpy'][k]:5.3f} of memcpy")
     print("bit-exact:", report["bit_exact"])
+    for name, steps in rx["steps_ms"].items():
+        print(f"receiver steps, {name} (median ms):", steps)
     write_report(report, args.json, all(report["bit_exact"].values()))
 
 

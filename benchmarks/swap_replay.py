@@ -10,7 +10,7 @@ tensor into its slice, the way vLLM's weight loaders do. Side by side in one run
   copies      the replay's copies, views made ahead: one `copy_` each (what replay issues)
   foreach     the same views in one `torch._foreach_copy_` (what replay issued before)
   floor       one device-to-device copy of the model's bytes
-  replay_summed  the replay while a receiver taps the tensors (`cuda_sums.Tap`): whole copies
+  replay_summed  the replay while a receiver taps the tensors (`taps.Tap`): whole copies
               go through one `copy_summed` launch that also computes their checksums
   sums        the integrity checksum of the 171 tensors as one bucket read where they lie
               (`checksum_parts_gpu`: one kernel launch on CUDA where Triton is installed)
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
-from vllm_nccl_sync.wire.cuda_sums import Tap, tapping
 from vllm_nccl_sync.wire.integrity import Pending, _terms, checksum_parts_gpu, read_back
+from vllm_nccl_sync.wire.taps import Tap, tapping
 
 DIMS = {"hidden": 3584, "inter": 18944, "kv": 512, "vocab": 152064}
 TINY = {"hidden": 64, "inter": 128, "kv": 16, "vocab": 256}

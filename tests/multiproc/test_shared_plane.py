@@ -428,61 +428,66 @@ def _writing_sender(cfg: dict, n: int) -> list[dict]:
 
 
 def _checking_receiver(cfg: dict, n: int) -> list[dict]:
-    """Receives `n` updates; per update the checksum this receiver verified for `w.weight`'s
-    bucket and the checksum of the bytes its loader was given. In updates `v % 4 == 3` the
-    sender's memory as this receiver reads it changes right after the check (the worst moment a
-    writer can pick), without touching the mapping later updates read."""
-    from vllm_nccl_sync.engine import dataplane
-    from vllm_nccl_sync.wire.integrity import checksum_parts
+    """Receives `n` updates into a module of its own (`ModuleLoader`: its copies sum what they
+    write); per update the sender's checksum of `w.weight`'s bucket, the checksum and digest of
+    the bytes the module then holds, and whether the receiver still calls itself consistent. In
+    updates `v % 4 == 3` the memory as this receiver's loads read it changes right after the
+    bucket arrived (after the sender summed it: the worst moment a writer can pick), without
+    touching the mapping later updates read."""
+    from vllm_nccl_sync.engine import dataplane, receiver
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.wire.integrity import checksum
 
     rx = Receiver(SyncConfig(**cfg), 1)
-    real, verified = dataplane.ReceivePlane.arrived, {}
+    real, real_problem, seen = dataplane.ReceivePlane.arrived, receiver.digest_problem, {}
 
     def arrived(self, seq, length, work):
         got = real(self, seq, length, work)
         if isinstance(work, dataplane._Mapped) and length == W_BYTES:
-            verified["w"] = got
-            if verified["v"] % 4 == 3:  # what a second read of the memory would now find
+            seen["seq"] = seq
+            if seen["v"] % 4 == 3:
                 work.parts[0] = work.parts[0].clone().bitwise_xor_(0xFF)
         return got
 
-    dataplane.ReceivePlane.arrived = arrived
+    def problem(rank, seq, got, theirs, *rest):
+        if seq == seen.get("seq"):
+            seen["theirs"] = theirs
+        return real_problem(rank, seq, got, theirs, *rest)
 
-    class Loader(DigestLoader):
-        def load(self, named):
-            for name, t in named:
-                if name == W_NAME:
-                    self.loaded = checksum_parts([t.contiguous().view(torch.uint8).reshape(-1)])
-            return super().load(named)
-
+    dataplane.ReceivePlane.arrived, receiver.digest_problem = arrived, problem
+    model = torch.nn.Module()
+    for name, numel in (("w", W_BYTES // 4), ("p", 1024)):
+        model.add_module(name, torch.nn.Module())
+        getattr(model, name).weight = torch.nn.Parameter(torch.zeros(numel))
     out = []
     for i in range(n):
-        verified.clear()
-        verified["v"] = i + 1
-        loader = Loader()
-        s = rx.receive(loader, timeout_s=60)
-        out.append({"ok": s["ok"], "verified": verified.get("w"),
-                    "loaded": getattr(loader, "loaded", None),
-                    "w": loader.digests.get(W_NAME, ("",))[0]})
+        seen.clear()
+        seen["v"] = i + 1
+        s = rx.receive(ModuleLoader(model), timeout_s=60)
+        held = model.w.weight.detach().view(torch.uint8)
+        out.append({"ok": s["ok"], "theirs": seen.get("theirs"), "held": checksum(held),
+                    "w": digest(model.w.weight.detach()), "consistent": s["consistent"]})
     rx.close()
     return out
 
 
 def test_a_trainer_writing_during_the_push_never_gets_unchecked_bytes_committed():
     """A trainer thread rewrites a tensor read in place (and a packed one) all through 25 of 50
-    pushes, staged and in place, and in 12 more the memory changes right after the receiver's
-    check: every update that commits loaded exactly the bytes whose checksum matched the
-    sender's (the receiver loads its own checked copy, never the trainer's memory read a second
-    time); every push without a writer commits the trainer's bytes."""
+    pushes, staged and in place, and in 12 more the memory changes right after the bucket
+    arrived: every update that commits holds exactly the bytes whose checksum the sender sent
+    (the loads sum what they write); the 12 are refused, never committed; every other push
+    without a writer commits the trainer's bytes."""
     cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend="shm",
                bucket_bytes=W_BYTES, timeout_s=30.0)
     n = 50
     sent, got = run_procs([(_writing_sender, (cfg, n)), (_checking_receiver, (cfg, n))], 300)
-    for s, g in zip(sent, got, strict=True):
+    for v, (s, g) in enumerate(zip(sent, got, strict=True), 1):
         assert s["ok"] == g["ok"], (s, g)
         if g["ok"]:
-            assert g["verified"] is not None and g["loaded"] == g["verified"], (s, g)
-        if not s["writing"]:
+            assert g["consistent"] and g["held"] == g["theirs"], (s, g)
+        if v % 4 == 3:
+            assert not s["ok"] and "checksum" in s["error"] and not g["consistent"], (s, g)
+        elif not s["writing"]:
             assert s["ok"] and g["w"] == s["w"], (s, g)
         else:
             assert s["ok"] or "checksum" in s["error"], s

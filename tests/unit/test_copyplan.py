@@ -204,8 +204,8 @@ def test_a_replay_tapped_by_a_receiver_copies_bit_exact_and_hands_over_each_chec
     """On CUDA, whole copies of tensors a receiver taps go through one `copy_summed` launch:
     the parameters are what the loader writes, and each tapped tensor's checksum terms equal
     the formula's over its bytes (what the receiver would have summed itself)."""
-    from vllm_nccl_sync.wire.cuda_sums import Tap, tapping
     from vllm_nccl_sync.wire.integrity import _terms, checksum_parts_gpu, read_back
+    from vllm_nccl_sync.wire.taps import Tap, tapping
 
     if cuda_sums.triton is None:
         pytest.skip("Triton is not installed")
@@ -236,7 +236,7 @@ def _tapped_update(plan: CopyPlan, m: Toy, named: list[tuple[str, torch.Tensor]]
                    ) -> tuple[list[torch.Tensor], list]:
     """One update of `m` from `named` with a receiver's tap on every tensor: the parts and
     the terms the copies handed over."""
-    from vllm_nccl_sync.wire.cuda_sums import Tap, tapping
+    from vllm_nccl_sync.wire.taps import Tap, tapping
 
     tap, parts = Tap(), [t.reshape(-1).view(torch.uint8) for _, t in named]
     for p in parts:
@@ -248,6 +248,24 @@ def _tapped_update(plan: CopyPlan, m: Toy, named: list[tuple[str, torch.Tensor]]
     finally:
         tapping.reset(token)
     return parts, [tap.take(p) for p in parts]
+
+
+def test_a_replay_tapped_on_the_host_copies_bit_exact_and_hands_over_each_checksum():
+    """On the host (the `shm` plane read in place) the whole copies of tapped tensors go
+    through the host's summing copy: the parameters are what the loader writes, and each
+    tapped tensor's checksum equals the formula's over its bytes."""
+    from vllm_nccl_sync.wire.integrity import checksum_parts
+
+    m, ref = Toy(), Toy()
+    plan = CopyPlan()
+    plan.refresh(params(m))
+    plan.load(weights(1), m.load_weights)  # records
+    named = [(n, t.clone()) for n, t in weights(2)]  # each aligned, as a trainer's
+    ref.load_weights(named)
+    parts, summed = _tapped_update(plan, m, named)
+    assert all(torch.equal(a, b) for a, b in zip(state(m).values(), state(ref).values()))
+    assert summed[0] is not None and summed[3] is None  # q whole; proj_t transposed
+    assert checksum_parts(parts, summed) == checksum_parts(parts)
 
 
 @pytest.mark.gpu

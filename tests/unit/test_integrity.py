@@ -114,3 +114,39 @@ def test_gathered_gpu_checksums_equal_the_cpu_ones_misaligned_parts_included() -
         assert read_back([checksum_parts_gpu(dev)]) == [checksum_parts(host)]
     dev[1][5] ^= 0x40  # the cached table holds addresses, never values
     assert read_back([checksum_parts_gpu(dev)]) != [checksum_parts(host)]
+
+
+def test_a_host_copy_sums_exactly_the_bytes_it_writes() -> None:
+    """`copy_summed_host` copies every byte (whole 1 MiB chunks, a short one, a tail of words and
+    loose bytes) and gives the terms of what it wrote: the same checksum as summing the copy."""
+    from vllm_nccl_sync.wire.integrity import copy_summed_host
+
+    for n in (N, 300 * 4096 + 8 * 7 + 5, 16, 3):
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        terms = copy_summed_host(dst, src)
+        assert torch.equal(dst, src), n
+        parts = [torch.randint(0, 256, (4096,), dtype=torch.uint8), src]
+        assert checksum_parts(parts, [None, terms]) == checksum_parts(parts), n
+
+
+def test_a_tapped_module_load_sums_what_it_copies_and_only_what_the_tap_wants() -> None:
+    """`ModuleLoader` under a receiver's tap copies the tensors the tap wants through the
+    summing copy (their terms handed over), the others plainly; all land bit for bit."""
+    from vllm_nccl_sync.engine.loaders import ModuleLoader
+    from vllm_nccl_sync.wire.taps import Tap, tapping
+
+    model = torch.nn.Linear(64, 48)
+    w, b = torch.randn(48, 64), torch.randn(48)
+    tap = Tap()
+    tap.want(w.view(-1).view(torch.uint8))
+    token = tapping.set(tap)
+    try:
+        ModuleLoader(model).load([("weight", w), ("bias", b)])
+    finally:
+        tapping.reset(token)
+    assert torch.equal(model.weight.detach(), w) and torch.equal(model.bias.detach(), b)
+    got = tap.take(w.view(-1).view(torch.uint8))
+    flat = w.view(-1).view(torch.uint8)
+    assert got is not None and checksum_parts([flat], [got]) == checksum(flat)
+    assert tap.take(b.view(-1).view(torch.uint8)) is None

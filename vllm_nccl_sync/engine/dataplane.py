@@ -8,9 +8,11 @@ otherwise it is computed on the device beside the collective and every one is re
 the `Seal`. Where the transport asks for `canary_bytes`, the whole buffer is posted with that many
 random bytes past `length`: a sender that broadcasts more than it announced is caught instead of
 ending the process, and one that broadcasts fewer leaves stale bytes the checksum rejects. A
-bucket read where its slots lie in the sender's memory (`ipc`) is checksummed part by part: by
-the loads themselves where they copy a part whole (`cuda_sums.Tap`: one read of those bytes),
-the other parts at the `Seal`, before this receiver's `Ack` lets the sender write them again.
+bucket read where its slots lie in the sender's memory (`ipc`, `shm`) is checksummed part by
+part: by the loads themselves where they copy a part whole (`taps.Tap`: one read of those
+bytes, summed as written), the other parts once the loads ran (read a second time), before this
+receiver's `Ack` lets the sender write them again; on `shm` compared with the bucket's `Digest`
+right after its loads, on `ipc` at the `Seal`.
 
 CUDA ordering: the host only queues work. Collectives are issued from a side stream that waits
 only for the loads that last read the buffer; loads run on a second side stream that waits for
@@ -31,15 +33,17 @@ import torch
 
 from vllm_nccl_sync.outcomes import Kind, Problem, clip
 from vllm_nccl_sync.planes.base import Transport
-from vllm_nccl_sync.wire.cuda_sums import Tap, tapping, warm
+from vllm_nccl_sync.wire.cuda_sums import warm
 from vllm_nccl_sync.wire.integrity import (
     checksum,
     checksum_gpu,
     checksum_parts,
     checksum_parts_gpu,
+    copy_summed_host,
     read_back,
 )
 from vllm_nccl_sync.wire.protocol import BucketHeader, Seal
+from vllm_nccl_sync.wire.taps import Tap, tapping
 
 _MASK = (1 << 64) - 1
 
@@ -64,12 +68,13 @@ class ReceivePlane:
         feeds_cuda = (self.device.type == "cpu" and engine is not None and engine.type == "cuda"
                       and torch.cuda.is_available())
         self.copies = self.shared and not self.cuda
-        """A host plane sharing the sender's memory: each bucket is copied once into this
-        receiver's own buffer, which is checksummed and loaded (never the sender's memory read
-        twice: a concurrent writer is caught, never loaded unchecked)."""
+        """A host plane sharing the sender's buffers (`shm`): each packed bucket is copied once
+        into this receiver's own buffer, which is checksummed and loaded, and the sender's
+        buffer goes back at once (a bucket read in place is loaded from where it lies)."""
         self.loads_in_place = self.shared and not self.copies
-        """Loads read the sender's memory where it lies (`ipc`): buckets read in place stay
-        valid all update, so a run of them may go to the loader in one call."""
+        """Every load reads the sender's memory where it lies (`ipc`, packed buckets too):
+        buckets read in place stay valid all update, so a run of them may go to the loader in
+        one call."""
         if self.shared and len(transports) != 1:
             raise ValueError(f"the {first.backend} plane takes one sender")
         if self.loads_in_place:
@@ -128,17 +133,16 @@ class ReceivePlane:
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
-        """Where loads run: the load stream on CUDA (its copies may sum what they read of the
-        sender's memory for this receiver: `tap`), the current thread elsewhere."""
-        if not self.cuda:
-            yield
-            return
-        token = tapping.set(self.tap)
+        """Where loads run: the load stream on CUDA, the current thread elsewhere; on a plane
+        sharing the sender's memory their copies may sum what they read of it for this receiver
+        (`tap`)."""
+        token = tapping.set(self.tap) if self.shared else None
         try:
-            with torch.cuda.stream(self._load):
+            with torch.cuda.stream(self._load) if self.cuda else contextlib.nullcontext():
                 yield
         finally:
-            tapping.reset(token)
+            if token is not None:
+                tapping.reset(token)
 
     def mapping_problem(self, headers: list[BucketHeader], rank: int,
                         plan: bool = False) -> Problem | None:
@@ -192,20 +196,20 @@ class ReceivePlane:
 
     def arrived(self, seq: int, length: int, work: Any) -> Any:
         """Wait for bucket `seq`'s bytes (CUDA: the current stream waits) and return their
-        checksum: an int now (`digest_per_bucket`), else one queued beside on the device."""
+        checksum: an int now (`digest_per_bucket`), else one queued beside on the device, or
+        one owed by the loads of a bucket read in place (`owed`)."""
         work.wait()
         if isinstance(work, _Mapped):
             self.read_in_place += 1
-            if self.copies:
-                return checksum_parts(self._copy_parts(seq, work))
             parts = self.in_place[seq] = work.parts
             for p in parts:  # summed by the loads that copy them whole, the rest at the Seal
                 self.tap.want(p)
             return _Gathered(parts)
         data = self.buffers[seq % 2][:length]
-        if self.copies:  # one read of the sender's buffer, which goes back at once
-            data.copy_(self.wire[seq % 2][:length])
+        if self.copies:  # one read of the sender's buffer, which goes back at once: summed as
+            terms = copy_summed_host(data, self.wire[seq % 2][:length])  # it is copied
             self.transports[0].release(seq % 2)
+            return checksum_parts([data], [terms])
         if self.digest_per_bucket:
             return checksum(data)  # while the sender's Digest (and bucket k+1) fly
         with torch.cuda.stream(self._cksum):  # beside the loads; the buffer waits for both
@@ -214,16 +218,11 @@ class ReceivePlane:
             self._cksum_done[seq % 2].record(self._cksum)
         return got
 
-    def _copy_parts(self, seq: int, mapped: _Mapped) -> list[torch.Tensor]:
-        """Copy a bucket read in place into this receiver's buffer, each part where a packed
-        bucket holds its slot (it is then unpacked like one); the copies, one per part."""
-        buf = self.buffers[seq % 2]
-        out = []
-        for s, p in zip(mapped.slots, mapped.parts, strict=True):
-            dst = buf[s.offset : s.offset + s.nbytes]
-            dst.copy_(p)
-            out.append(dst)
-        return out
+    @staticmethod
+    def owed(got: Any) -> bool:
+        """Whether checksum `got` (of `arrived`) is computed by the bucket's loads: it can be
+        read (`values`) only once they ran."""
+        return isinstance(got, _Gathered)
 
     def bucket(self, seq: int) -> torch.Tensor | list[torch.Tensor]:
         """Where bucket `seq`'s bytes are to be unpacked from (once `arrived`): the buffer, or
@@ -268,13 +267,15 @@ class ReceivePlane:
     def values(self, sums: list[Any]) -> list[int | None]:
         """The checksums of `arrived` as ints (device ones read back in one go, once the
         streams that computed them ran)."""
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_stream(self._cksum)
-            cur.wait_stream(self._load)
-            self.tap.sum_missing([p for s in sums if isinstance(s, _Gathered) for p in s.parts])
-            sums = [checksum_parts_gpu(s.parts, [self.tap.take(p) for p in s.parts])
+        if not self.cuda:
+            return [checksum_parts(s.parts, [self.tap.take(p) for p in s.parts])
                     if isinstance(s, _Gathered) else s for s in sums]
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_stream(self._cksum)
+        cur.wait_stream(self._load)
+        self.tap.sum_missing([p for s in sums if isinstance(s, _Gathered) for p in s.parts])
+        sums = [checksum_parts_gpu(s.parts, [self.tap.take(p) for p in s.parts])
+                if isinstance(s, _Gathered) else s for s in sums]
         return read_back(sums)
 
     def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:
@@ -330,18 +331,18 @@ class _Mapped:
 _log = logging.getLogger(__name__)
 
 
-def digest_problem(rank: int, seq: int, got: int, theirs: int,
-                   require: bool) -> Problem | None:
-    """Why bucket `seq` (checksum `got`) must not be loaded given the sender's `Digest` (None:
-    it may be)."""
+def digest_problem(rank: int, seq: int, got: int, theirs: int, require: bool,
+                   loaded: bool = False) -> Problem | None:
+    """Why bucket `seq` (checksum `got`) must not be loaded, or kept where it was `loaded`
+    (read in place: its loads computed `got`), given the sender's `Digest` (None: it may be)."""
+    fate = "loaded, the update fails" if loaded else "not loaded"
     if not theirs and require:
         return Problem(Kind.DIGEST, f"rank {rank}: Digest for bucket {seq} carries no checksum, "
-                       "and this receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); not "
-                       "loaded")
+                       f"and this receiver requires one (VLLM_NCCL_SYNC_REQUIRE_CHECKSUMS); {fate}")
     if theirs and got != theirs:
         _mismatch(rank, seq, got, theirs)
         return Problem(Kind.DIGEST, f"rank {rank}: bucket {seq} arrived corrupted or short: its "
-                       "checksum does not match the sender's; not loaded")
+                       f"checksum does not match the sender's; {fate}")
     return None
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_nccl_sync.wire.taps import copies_tapped, copy_tapped
+
 
 class ModuleLoader:
     """Copies HF-named tensors into a module's parameters and buffers, in place.
@@ -27,11 +29,13 @@ class ModuleLoader:
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
         """Every tensor checked first (a bad one: nothing of the batch is copied), then copied
-        in one call."""
-        targets = [self._target(name, t) for name, t in named_tensors]
-        if targets:
-            with torch.no_grad():
-                torch._foreach_copy_(targets, [t for _, t in named_tensors], non_blocking=True)
+        in one call; tensors the receiver checksums (`taps.tapping`) are copied summing."""
+        pairs = [(self._target(name, t), t) for name, t in named_tensors]
+        with torch.no_grad():
+            pairs = copies_tapped(pairs)
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs],
+                                     non_blocking=True)
         done = {name for name, _ in named_tensors}
         self.loaded |= done
         return done
@@ -51,8 +55,10 @@ class ModuleLoader:
         target = self.targets.get(name)
         if target is None or list(target.shape) != shape or not target.is_contiguous():
             return False
+        dst = target[first_row : first_row + rows.shape[0]]
         with torch.no_grad():
-            target[first_row : first_row + rows.shape[0]].copy_(rows, non_blocking=True)
+            if not copy_tapped(dst, rows):
+                dst.copy_(rows, non_blocking=True)
         if first_row + rows.shape[0] == shape[0]:
             self.loaded.add(name)
         return True

@@ -53,6 +53,7 @@ from vllm_nccl_sync.wire.protocol import (
     TensorSpec,
     UnreadablePlan,
 )
+from vllm_nccl_sync.wire.taps import clone_tapped
 
 if TYPE_CHECKING:
     from vllm_nccl_sync.engine.shadow import BesideReceive
@@ -321,9 +322,11 @@ class Receiver:
                 self._pump(u, lambda s=seq: u.accepted > s, f"BucketHeader for bucket {seq + 1}")
                 self._start(seq + 1, u)
             with self.plane.loading():
-                self._arrived(seq, u)
+                owed = self._arrived(seq, u)
                 u.mark(f"bucket{seq}")
                 self._load(seq, loader, re, u)
+                if owed and u.failed is None:
+                    self._digest(seq, u)
                 u.mark(f"kept{seq}")
                 self.plane.loaded(seq)
             self._extend()
@@ -352,13 +355,14 @@ class Receiver:
             self.inbox.fail(u, u.failed)
             raise u.failed.error()
 
-    def _arrived(self, seq: int, u: Update) -> None:
+    def _arrived(self, seq: int, u: Update) -> bool:
         """Wait for bucket `seq`'s bytes and check what can be checked now: where the plane
-        checks each bucket, its canary and the sender's `Digest`, before any load."""
+        checks each bucket, its canary and the sender's `Digest`, before any load. True where
+        the bucket's loads owe its checksum (read in place): `_digest` once they ran."""
         header = u.headers[seq]
         if seq not in u.posted:
             u.sums.append(None)
-            return
+            return False
         work, canary = u.posted.pop(seq)
         try:
             got = self.plane.arrived(seq, header.length, work)
@@ -370,15 +374,28 @@ class Receiver:
         u.nbytes += header.length
         u.sums.append(got)
         if not self.plane.digest_per_bucket:
-            return
-        sender = f" from sender {header.src}" if u.senders > 1 else ""  # the one to blame
-        self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}{sender}")
-        theirs = u.digests.pop(seq)
+            return False
+        if self.plane.owed(got):  # loaded while the sender sums it
+            return True
         if self.plane.overran(seq, header.length, canary):
             self.inbox.fail(u, Problem(Kind.OVERRUN, f"rank {self.rank}: bucket {seq} broadcast "
                                        f"more bytes than its header's length {header.length}; "
                                        "not loaded"))
-        elif problem := digest_problem(self.rank, seq, got, theirs, self.require_checksums):
+        else:
+            self._digest(seq, u)
+        return False
+
+    def _digest(self, seq: int, u: Update) -> None:
+        """Compare bucket `seq`'s checksum with the sender's `Digest` (waited for); one its
+        loads owed (`ReceivePlane.owed`) is read now and kept in place of the debt."""
+        sender = f" from sender {u.headers[seq].src}" if u.senders > 1 else ""  # the one to blame
+        self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}{sender}")
+        theirs, got = u.digests.pop(seq), u.sums[seq]
+        loaded = self.plane.owed(got)
+        if loaded:
+            got = u.sums[seq] = self.plane.values([got])[0]
+        if problem := digest_problem(self.rank, seq, got, theirs, self.require_checksums,
+                                     loaded):
             self.inbox.fail(u, problem)
 
     def _load(self, seq: int, loader: WeightLoader, re: Reassembler, u: Update) -> None:
@@ -394,7 +411,7 @@ class Receiver:
             named = re.unpack(header, self.plane.bucket(seq)) if u.mine(header) else []
             u.ntensors += len(named) + re.loaded_by_rows - by_rows
             if u.staged:
-                keep = u.beside.shadow.keep if u.beside is not None else torch.clone
+                keep = u.beside.shadow.keep if u.beside is not None else clone_tapped
                 u.staged_tensors += [(n, t if isinstance(t, Blocks) else keep(t))
                                      for n, t in named]  # blocks: kept as they arrived
                 if u.beside is not None:

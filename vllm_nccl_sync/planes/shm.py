@@ -3,9 +3,9 @@
 The sender's two bucket buffers are one piece of shared memory with no name anywhere
 (`memfd_create`), handed to each receiver as a descriptor (`handoff`), so nothing else can open
 it and nothing is left behind if a process dies. A receiver copies each bucket once out of it
-into its own buffer, gives the sender's buffer back at once, checksums its copy against the
-sender's `Digest` and loads from that copy: what it loads is exactly what it checked, whatever
-anyone writes into the shared memory meanwhile.
+into its own buffer, summing the bytes as it copies them, gives the sender's buffer back at once,
+compares that sum with the sender's `Digest` and loads from its copy: what it loads is exactly
+what it checked, whatever anyone writes into the shared memory meanwhile.
 
 Read in place (`export`/`mapped`, as on `ipc`): a tensor of a state dict whose storage is
 already in shared memory (`tensor.share_memory_()`, `model.share_memory()`: PyTorch keeps it as
@@ -14,8 +14,9 @@ handoff socket, its header names where its bytes lie, and each receiver maps the
 A receiver refuses a descriptor that is not shared memory, belongs to another user than the
 sender's (as the kernel names it), or holds another size than announced; it maps the storage
 copy-on-write, so nothing it does can write the sender's memory. A bucket read in place is
-copied once into the receiver's buffer, checksummed there against the sender's `Digest`, and
-loaded from there: the sender's pack is saved, and no byte is loaded that was not checked.
+loaded straight out of the sender's memory, by copies that sum the bytes they write (`taps`),
+and its checksum compared with the sender's `Digest` right after its loads: one copy per byte; a
+mismatch fails the update (the engine, loaded in place, is reported inconsistent).
 Storages not in shared memory are packed as before; none is ever moved into shared memory by
 this plane.
 """

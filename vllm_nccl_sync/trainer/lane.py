@@ -30,7 +30,7 @@ import torch
 
 from vllm_nccl_sync.outcomes import Kind, PeerFailed, Problem, clip
 from vllm_nccl_sync.planes.base import Handle, Transport
-from vllm_nccl_sync.wire.cuda_sums import Tap, warm
+from vllm_nccl_sync.wire.cuda_sums import warm
 from vllm_nccl_sync.wire.integrity import (
     Pending,
     checksum,
@@ -48,6 +48,7 @@ from vllm_nccl_sync.wire.packing import (
     slot_total,
 )
 from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Digest, Slot, Source
+from vllm_nccl_sync.wire.taps import Tap
 
 
 class BucketLane:

@@ -9,15 +9,13 @@ terms exactly (wrap-around int64); parts not aligned to 16 bytes, and the bytes 
 last whole word, are left to torch. Without Triton, or once its kernel failed to build or launch
 (logged once, with the reason), every part goes to torch.
 
-`copy_summed` is the same kernel writing each word it reads to a destination as well: a receiver
-whose loads are plain copies of whole tensors (a replayed `load_weights`) reads the sender's
-memory once for both the copy and the checksum. A receiver asks for that through a `Tap` set in
-`tapping` while its loads run; whoever copies a tensor the tap wants may sum it on the way.
+`copy_summed_cuda` is the same kernel writing each word it reads to a destination as well: a
+receiver whose loads are plain copies of whole tensors (a replayed `load_weights`) reads the
+sender's memory once for both the copy and the checksum (through its tap: `taps`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 from collections.abc import Sequence
 
@@ -109,7 +107,7 @@ def tables() -> list[torch.Tensor]:
     return [t for pair in _tables.values() for t in pair]
 
 
-def _usable(t: torch.Tensor) -> bool:
+def usable(t: torch.Tensor) -> bool:
     return (triton is not None and not _failed and t.is_cuda and t.data_ptr() % 16 == 0
             and t.numel() >= 8)
 
@@ -152,7 +150,7 @@ def accumulators(parts: Sequence[torch.Tensor]) -> list[Terms | None]:
     """Per flat uint8 CUDA tensor, its `integrity` terms, the whole words of all of them summed
     in one launch (queued on the current stream); None where torch must do it (no Triton, or
     not aligned to 16 bytes)."""
-    fast = [i for i, p in enumerate(parts) if _usable(p)]
+    fast = [i for i, p in enumerate(parts) if usable(p)]
     out: list[Terms | None] = [None] * len(parts)
     got = _guarded([parts[i] for i in fast], None) if fast else None
     for i, terms in zip(fast, got or [], strict=bool(got)):
@@ -160,32 +158,11 @@ def accumulators(parts: Sequence[torch.Tensor]) -> list[Terms | None]:
     return out
 
 
-def copy_summed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Terms] | None:
-    """`dst.copy_(src)` for each pair of flat uint8 CUDA tensors of one size (see `fusable`),
-    in one launch that also returns each source's `integrity` terms: its bytes are read once.
-    None if the kernel failed before any copy (then the caller copies)."""
+def copy_summed_cuda(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Terms] | None:
+    """`dst.copy_(src)` for each pair of flat uint8 CUDA tensors of one size (see
+    `taps.fusable`), in one launch that also returns each source's `integrity` terms: its bytes
+    are read once. None if the kernel failed before any copy (then the caller copies)."""
     return _guarded([s for _, s in pairs], [d for d, _ in pairs])
-
-
-def copy_tapped(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """`dst.copy_(src)` through `copy_summed` where the receiver's tap (`tapping`) wants `src`
-    whole, handing it `src`'s terms (True); False, with nothing done, where it does not."""
-    tap = tapping.get()
-    if tap is None or not tap.wants(src) or not fusable(dst, src):
-        return False
-    got = copy_summed([(dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8))])
-    if got is None:
-        return False
-    tap.put(src, got[0])
-    return True
-
-
-def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether `dst.copy_(src)` may go through `copy_summed`: both contiguous, of one dtype and
-    size, on one CUDA device, 16-byte aligned, Triton installed."""
-    return (src.dtype == dst.dtype and src.shape == dst.shape and src.device == dst.device
-            and src.is_contiguous() and dst.is_contiguous() and _usable(src)
-            and dst.data_ptr() % 16 == 0)
 
 
 def warm(device: torch.device) -> None:
@@ -196,38 +173,5 @@ def warm(device: torch.device) -> None:
     with torch.cuda.device(device):
         src = torch.zeros(2 * _ROW_BYTES, dtype=torch.uint8, device=device)
         accumulators([src])
-        copy_summed([(torch.empty_like(src), src)])
+        copy_summed_cuda([(torch.empty_like(src), src)])
         torch.cuda.synchronize(device)
-
-
-class Tap:
-    """The sources a receiver checksums, by (address, bytes); a copy that reads one whole
-    may hand its terms over (`put`) so that the receiver need not read it again (`take`)."""
-
-    def __init__(self) -> None:
-        self.wanted: set[tuple[int, int]] = set()
-        self.got: dict[tuple[int, int], Terms] = {}
-
-    def want(self, part: torch.Tensor) -> None:
-        self.wanted.add((part.data_ptr(), part.numel() * part.element_size()))
-
-    def wants(self, t: torch.Tensor) -> bool:
-        return (t.data_ptr(), t.numel() * t.element_size()) in self.wanted
-
-    def put(self, t: torch.Tensor, terms: Terms) -> None:
-        self.got[(t.data_ptr(), t.numel() * t.element_size())] = terms
-
-    def take(self, part: torch.Tensor) -> Terms | None:
-        return self.got.get((part.data_ptr(), part.numel() * part.element_size()))
-
-    def sum_missing(self, parts: Sequence[torch.Tensor]) -> None:
-        """Sum the flat uint8 CUDA `parts` not summed yet, all in one launch (where the kernel
-        can: the others are left to `integrity`'s torch path)."""
-        todo = list({(p.data_ptr(), p.numel()): p for p in parts if self.take(p) is None}.values())
-        for p, terms in zip(todo, accumulators(todo) if todo else [], strict=True):
-            if terms is not None:
-                self.put(p, terms)
-
-
-tapping: contextvars.ContextVar[Tap | None] = contextvars.ContextVar("tapping", default=None)
-"""The receiver's `Tap` while its loads run (None elsewhere)."""

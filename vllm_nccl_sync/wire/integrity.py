@@ -9,7 +9,8 @@ queues the reduction on the current stream (no host sync) and `read_back` turns 
 worth into ints with one sync. Rows of 4 KiB rather than 512 B: measured 2.2x faster on an H200
 (0.27 ms per GiB, 3.9 TB/s) and 2.2x on a 2-core host. Values are positive and below 2**63 and
 never 0 (0 means "no checksum" on the wire). A bucket read where its slots lie (the ipc plane)
-is checksummed part by part, the parts' sums weighted by their position (`checksum_parts`).
+is checksummed part by part, the parts' sums weighted by their position (`checksum_parts`); a
+host copy may compute a part's sums on the way, of the bytes it wrote (`copy_summed_host`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,33 @@ def checksum(data: torch.Tensor) -> int:
     return _finish(sum(int(term) * factor for term, factor in _terms(data)), data.numel())
 
 
+_CHUNK_ROWS = 512
+"""Rows (2 MiB) a host summing copy writes before it sums them, while they are in cache
+(measured best at 2-4 MiB on a host of 1 MiB L2 per core and 32 MiB L3)."""
+
+
+def copy_summed_host(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """`dst.copy_(src)` for flat uint8 CPU tensors of one size, both 8-byte aligned, and the
+    terms of `checksum_parts` for `src`, summed from `dst` chunk by chunk right after each chunk
+    is written: the sums are of exactly the bytes written, and the memory is crossed once (on a
+    2-core host 1.19-1.21x a memcpy of 256 MiB, against 1.37-1.46x for a copy then a sum)."""
+    rows = src.numel() // 8 // _COLS
+    whole = rows * 8 * _COLS
+    out = []
+    if rows:
+        d = dst[:whole].view(torch.int64).view(rows, _COLS)
+        s = src[:whole].view(torch.int64).view(rows, _COLS)
+        per_row = torch.empty(rows, dtype=torch.int64)
+        for i in range(0, rows, _CHUNK_ROWS):
+            d[i : i + _CHUNK_ROWS].copy_(s[i : i + _CHUNK_ROWS])
+            torch.sum(d[i : i + _CHUNK_ROWS], dim=1, out=per_row[i : i + _CHUNK_ROWS])
+        out.append(((per_row * _odd(rows, dst.device)).sum(), 1))
+    if whole < src.numel():  # a tail of words and bytes: weighted as in `_terms`, from 1
+        dst[whole:].copy_(src[whole:])
+        out += _terms(dst[whole:])
+    return out
+
+
 def _part_terms(parts: Sequence[torch.Tensor],
                 known: Sequence[Any] | None = None) -> list[tuple[torch.Tensor, int]]:
     """The terms of `checksum_parts`: part i's own, weighted by the odd 2i + 1. `known`: terms
@@ -111,11 +139,12 @@ def checksum_parts_gpu(parts: Sequence[torch.Tensor], known: Sequence[Any] | Non
     """Checksum of a bucket gathered from flat uint8 CUDA tensors (read where they lie), queued
     on the current stream: each part's weighted sums, weighted again by its position's odd
     weight, over the bytes of all. One part's equals `checksum_gpu` of it. `known`: terms of
-    parts a copy already summed (`cuda_sums.copy_summed`), None for the others."""
+    parts a copy already summed (`taps.copy_summed`), None for the others."""
     return Pending(_part_terms(parts, known), sum(p.numel() for p in parts))
 
 
-def checksum_parts(parts: Sequence[torch.Tensor]) -> int:
-    """`checksum_parts_gpu` of flat uint8 CPU tensors, as an int."""
-    terms = _part_terms(parts)
+def checksum_parts(parts: Sequence[torch.Tensor], known: Sequence[Any] | None = None) -> int:
+    """`checksum_parts_gpu` of flat uint8 CPU tensors, as an int (`known`: as there, terms of
+    parts a copy already summed, `copy_summed_host`)."""
+    terms = _part_terms(parts, known)
     return _finish(sum(int(t) * f for t, f in terms), sum(p.numel() for p in parts))

@@ -34,7 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_nccl_sync.integrations.vllm.graphs import CapturedReplays
-from vllm_nccl_sync.wire.cuda_sums import Tap, copy_summed, fusable, tables, tapping
+from vllm_nccl_sync.wire.cuda_sums import tables
+from vllm_nccl_sync.wire.taps import Tap, copy_summed, fusable, tapping
 
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
@@ -195,7 +196,7 @@ class CopyPlan:
         tensors. One plain `copy_` per write: on an H200, 171 tensors of a 7B model took 4.6 ms
         on the device this way against 6.3 ms as one `_foreach_copy_` (its fused kernel copies
         slower than the copy engines), for about the same host time (1.3 against 1.15 ms).
-        While a receiver taps what it reads (`cuda_sums.tapping`), the tensors it checksums
+        While a receiver taps what it reads (`taps.tapping`), the tensors it checksums
         that are copied whole into one parameter's slice go first, in one `copy_summed` launch
         that hands it their checksums: the sender's memory is read once."""
         done: set[str] = set()

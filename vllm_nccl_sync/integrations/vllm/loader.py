@@ -33,7 +33,7 @@ import torch
 from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
 from vllm_nccl_sync.integrations.vllm.model_slots import ModelSlots, tied_aliases
 from vllm_nccl_sync.outcomes import Kind, Problem
-from vllm_nccl_sync.wire.cuda_sums import copy_tapped
+from vllm_nccl_sync.wire.taps import copy_tapped
 
 log = logging.getLogger(__name__)
 
