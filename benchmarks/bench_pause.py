@@ -342,6 +342,7 @@ def run(args: Any) -> dict:
         instrument(engine, handle, sync.client, tl)
         probes = Probes(engine)
         handle.call("bench_stalls", timeout=args.timeout_s)  # the engine's process watched
+        handle.call("bench_steps", timeout=args.timeout_s)  # and its model runner's steps timed
         stream = Stream(engine, loop, args, bvg.DIMS["vocab"])
         stream.wait_tokens(2, args.timeout_s, "every client streaming")
         updates, version, windows = [], 0, []
@@ -374,6 +375,8 @@ def run(args: Any) -> dict:
                 if windows_ := u.pop("gap_windows", None):  # where the engine's thread was
                     u["main_thread_in_gap"], u["main_thread_in_baseline_gap"] = handle.call(
                         "bench_where", windows_, timeout=args.timeout_s)[0]
+                    u["steps_in_gap"], u["steps_in_baseline_gap"] = handle.call(
+                        "bench_steps", windows_, timeout=args.timeout_s)[0]
                 updates.append(u)
                 print(f"{mode} v{version}: stall {u.get('stall_s', float('nan')) * 1e3:.1f} ms, "
                       f"longest gap {u.get('max_gap_s', float('nan')) * 1e3:.1f} ms, "
@@ -389,7 +392,9 @@ def run(args: Any) -> dict:
                       f"{u.get('requests_begun_at_gap_end')} (undisturbed: "
                       f"{u.get('requests_begun_at_baseline_gap_end')}); engine thread in it "
                       f"{u.get('main_thread_in_gap')}; in the undisturbed one "
-                      f"{u.get('main_thread_in_baseline_gap')}", flush=True)
+                      f"{u.get('main_thread_in_baseline_gap')}; model runner calls in it [name, "
+                      f"from its start s, wall ms, CPU ms, device ms] {u.get('steps_in_gap')}; "
+                      f"in the undisturbed one {u.get('steps_in_baseline_gap')}", flush=True)
         handle.call("bench_zero", timeout=args.timeout_s)  # then one more update must fill all
         last = args.pause_modes[0]
         sync.update(tensors, version + 1, pause_mode=last.removeprefix("beside:"),

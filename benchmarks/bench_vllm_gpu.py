@@ -138,8 +138,66 @@ class Watch:
         return [[w, k] for w, k in got.most_common(8)]
 
 
+class StepClock:
+    """Times every call of the model runner's step methods (`execute_model`, `sample_tokens`):
+    start, wall seconds, the calling thread's CPU seconds, and the device's span (CUDA events on
+    the current stream around the call). A call whose wall time is far over its CPU time waited
+    without running (for Python's lock, or a blocking wait for the device: a spinning one counts
+    as CPU); a device span over the undisturbed one's means the device ran the step slower."""
+
+    KEEP = 20_000
+
+    def __init__(self, runner: Any) -> None:
+        self.records: collections.deque = collections.deque(maxlen=self.KEEP)
+        for name in ("execute_model", "sample_tokens"):
+            fn = getattr(runner, name, None)
+            if fn is not None:
+                setattr(runner, name, self._timed(name, fn))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        import torch
+
+        cuda = torch.cuda.is_available()
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            e0 = e1 = None
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                if e1 is not None:
+                    e1.record()
+                self.records.append((name, t0, wall, cpu, e0, e1))
+
+        return timed
+
+    def within(self, t0: float, t1: float) -> list[list]:
+        """The calls overlapping [t0, t1]: [name, start - t0, wall ms, CPU ms, device ms (None
+        until both events ran)]."""
+        out = []
+        for name, start, wall, cpu, e0, e1 in list(self.records):
+            if start < t1 and start + wall > t0:
+                dev = e0.elapsed_time(e1) if e1 is not None and e1.query() else None
+                out.append([name, round(start - t0, 4), round(wall * 1e3, 2), round(cpu * 1e3, 2),
+                            None if dev is None else round(dev, 2)])
+        return out
+
+
 class BenchExt(Ext):
     """`vllm_nccl_sync.Ext` plus the benchmark's engine-side probes (prefixed `bench_`)."""
+
+    def bench_steps(self, windows: list[list[float]] | None = None) -> list[list[list]]:
+        """Per window [t0, t1]: the model runner's calls in it (`StepClock.within`); the first
+        call starts timing them."""
+        clock = getattr(self, "_bench_steps", None)
+        if clock is None:
+            self._bench_steps = StepClock(self.model_runner)
+            return []
+        return [clock.within(t0, t1) for t0, t1 in windows or []]
 
     def bench_stalls(self) -> list[list]:
         """Since the last call: when this process's threads went without Python's lock for more

@@ -325,7 +325,7 @@ class Receiver:
                 owed = self._arrived(seq, u)
                 u.mark(f"bucket{seq}")
                 self._load(seq, loader, re, u)
-                if owed and u.failed is None:
+                if owed:
                     self._digest(seq, u)
                 u.mark(f"kept{seq}")
                 self.plane.loaded(seq)
@@ -377,21 +377,23 @@ class Receiver:
             return False
         if self.plane.owed(got):  # loaded while the sender sums it
             return True
-        if self.plane.overran(seq, header.length, canary):
-            self.inbox.fail(u, Problem(Kind.OVERRUN, f"rank {self.rank}: bucket {seq} broadcast "
-                                       f"more bytes than its header's length {header.length}; "
-                                       "not loaded"))
-        else:
-            self._digest(seq, u)
+        self._digest(seq, u, self.plane.overran(seq, header.length, canary))
         return False
 
-    def _digest(self, seq: int, u: Update) -> None:
-        """Compare bucket `seq`'s checksum with the sender's `Digest` (waited for); one its
-        loads owed (`ReceivePlane.owed`) is read now and kept in place of the debt."""
+    def _digest(self, seq: int, u: Update, overran: bool = False) -> None:
+        """Take the sender's `Digest` for bucket `seq` (waited for) and compare its checksum;
+        one the bucket's loads owed (`ReceivePlane.owed`) is read now, in place of the debt."""
         sender = f" from sender {u.headers[seq].src}" if u.senders > 1 else ""  # the one to blame
         self._pump(u, lambda: seq in u.digests, f"Digest for bucket {seq}{sender}")
         theirs, got = u.digests.pop(seq), u.sums[seq]
+        if overran:
+            self.inbox.fail(u, Problem(Kind.OVERRUN, f"rank {self.rank}: bucket {seq} broadcast "
+                                       f"more bytes than its header's length "
+                                       f"{u.headers[seq].length}; not loaded"))
+            return
         loaded = self.plane.owed(got)
+        if loaded and u.failed is not None:  # its loads did not run: nothing to compare
+            return
         if loaded:
             got = u.sums[seq] = self.plane.values([got])[0]
         if problem := digest_problem(self.rank, seq, got, theirs, self.require_checksums,
