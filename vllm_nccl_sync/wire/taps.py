@@ -29,17 +29,17 @@ def copy_summed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Term
     return copy_summed_cuda(pairs)
 
 
-def copy_tapped(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """`dst.copy_(src)` through `copy_summed` where the receiver's tap (`tapping`) wants `src`
-    whole, handing it `src`'s terms (True); False, with nothing done, where it does not."""
-    return not copies_tapped([(dst, src)])
+def copy_tapped(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`: through `copy_summed` where the receiver's tap (`tapping`) wants `src`
+    whole (handing it `src`'s terms), a plain copy (`non_blocking`) elsewhere."""
+    if copies_tapped([(dst, src)]):
+        dst.copy_(src, non_blocking=True)
 
 
 def clone_tapped(src: torch.Tensor) -> torch.Tensor:
     """`src.clone()`, summed on the way where the receiver's tap wants `src` (`copy_tapped`)."""
     out = torch.empty_like(src)
-    if not copy_tapped(out, src):
-        out.copy_(src)
+    copy_tapped(out, src)
     return out
 
 

@@ -320,8 +320,7 @@ class VllmWeightLoader:
         lo, hi = max(first_row, first), min(first_row + rows.shape[0], end)
         if lo < hi:  # this worker's rows in this chunk (summed on the way if a tap wants them)
             dst, src = param[lo - first : hi - first], rows[lo - first_row : hi - first_row]
-            if not copy_tapped(dst, src):
-                dst.copy_(src, non_blocking=True)
+            copy_tapped(dst, src)
         if first_row + rows.shape[0] == shape[0]:
             self.loaded.add(pname)
             self._by_rows += 1
