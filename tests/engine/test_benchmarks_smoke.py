@@ -260,6 +260,19 @@ def test_fixed_cost_smoke(tmp_path):
         assert plane["receiver_ms"] > 0 and {"ready", "bucket", "kept"} <= set(plane["steps_ms"])
 
 
+@pytest.mark.multiproc
+def test_receive_thread_smoke(tmp_path):
+    """The receive-in-a-thread script: one round of both layouts, both bit-exact, the steps
+    taken while the updates were received timed."""
+    path = tmp_path / "rt.json"
+    out = run_script(["benchmarks/receive_thread.py", "--rounds", "1", "--json", str(path)],
+                     deadline_s=300)
+    assert "round 1 thread / process" in out, out[-3000:]
+    [r] = json.loads(path.read_text())["rounds"]
+    for mode in ("thread", "process"):
+        assert r[mode]["exact"] is True and r[mode]["max_ms"] >= r[mode]["p99_ms"] >= 0, (mode, r)
+
+
 def test_swap_replay_smoke():
     """The swap's load alone on tiny dims: the replay is bit-exact and every row is printed."""
     out = run_script(["benchmarks/swap_replay.py", "--device", "cpu", "--tiny", "--reps", "2"],
