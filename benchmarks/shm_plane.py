@@ -2,6 +2,8 @@
 receiver process, which copies it into tensors of its own (`ModuleLoader`), in one run:
 
   memcpy     one host copy of a contiguous buffer of the payload's size (the floor)
+  summing_copy  the same copy through `integrity.copy_summed_host` (each 4 KiB row's words
+             summed on the way, as a load read in place sums them: native where built)
   raw_gloo   one gloo broadcast of that buffer between the two processes
   push_gloo  `PushClient(backend="gloo")` -> `Receiver` (checksums, commit round: everything)
   push_shm   the same over `backend="shm"`
@@ -13,7 +15,7 @@ untimed, the trainer changes every byte of its tensors; the receiver keeps one s
 plane and checks them bit for bit only after the last push (nothing it does between pushes may
 delay the next one: a timed push starts with the receivers' answer to its plan).
 
-    python benchmarks/shm_plane.py --size-mib 256 --bucket-mib 64 --reps 5
+    python benchmarks/shm_plane.py --size-mib 256 --bucket-mib 64 --reps 5 [--torch-copy]
 """
 
 from __future__ import annotations
@@ -39,22 +41,38 @@ def _cfg(backend: str, bucket: int) -> dict:
                 bucket_bytes=bucket, timeout_s=120.0)
 
 
-def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
-    """memcpy and raw gloo, then the pushes of every plane, alternating."""
+def _summing_copy(native: bool) -> None:
+    """One torch thread; the host's summing copy native (where built) or torch's (`--torch-copy`)."""
+    from vllm_nccl_sync.wire import integrity
+
+    torch.set_num_threads(1)
+    if not native:
+        integrity._copy_rows = None
+    elif integrity._copy_rows is None:
+        raise SystemExit("the native summing copy was not built here: pip install -e . with a C "
+                         "compiler, or pass --torch-copy")
+
+
+def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int, native: bool) -> dict:
+    """memcpy, the summing copy and raw gloo, then the pushes of every plane, alternating."""
     from vllm_nccl_sync import PushClient, SyncConfig
     from vllm_nccl_sync.planes.registry import open_transport
     from vllm_nccl_sync.verify import digest
+    from vllm_nccl_sync.wire.integrity import copy_summed_host
 
-    torch.set_num_threads(1)
+    _summing_copy(native)
     tensors = synthetic_tensors(size, seed=1, device=torch.device("cpu"))
     payload = sum(t.nbytes for t in tensors.values())
     src, dst = torch.empty(payload, dtype=torch.uint8).random_(0, 256), torch.empty(payload,
                                                                                    dtype=torch.uint8)
-    out: dict[str, list[float]] = {"memcpy": [], "raw_gloo": []}
+    out: dict[str, list[float]] = {"memcpy": [], "summing_copy": [], "raw_gloo": []}
     for _ in range(reps + 1):
         t0 = time.perf_counter()
         dst.copy_(src)
         out["memcpy"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        copy_summed_host(dst, src)
+        out["summing_copy"].append(time.perf_counter() - t0)
     raw = open_transport(SyncConfig(**raw_cfg), 0)
     for _ in range(reps + 1):
         t0 = time.perf_counter()
@@ -82,14 +100,14 @@ def trainer(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
             "digests": {n: digest(t) for n, t in tensors.items()}}
 
 
-def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int) -> dict:
+def receiver(cfgs: dict[str, dict], raw_cfg: dict, size: int, reps: int, native: bool) -> dict:
     """Joins every group; receives each push into tensors of its own."""
     from vllm_nccl_sync import SyncConfig
     from vllm_nccl_sync.engine.loaders import ModuleLoader
     from vllm_nccl_sync.planes.registry import open_transport
     from vllm_nccl_sync.verify import digest
 
-    torch.set_num_threads(1)
+    _summing_copy(native)
     model = synthetic_tensors(size, seed=1, device=torch.device("cpu"))
     payload = sum(t.nbytes for t in model.values())
     tensors = {name: {n: torch.zeros_like(t) for n, t in model.items()} for name in cfgs}
@@ -122,23 +140,27 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=float, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
+    ap.add_argument("--torch-copy", action="store_true",
+                    help="the host's summing copy by torch, chunk by chunk, not the native one")
     args = ap.parse_args()
     size, bucket = int(args.size_mib * MiB), int(args.bucket_mib * MiB) // 256 * 256
     cfgs = {name: _cfg(name.split("_")[0], bucket) for name in ("gloo", "shm", "shm_in_place")}
     raw_cfg = _cfg("gloo", bucket)
-    tr, rx = run_procs([(trainer, (cfgs, raw_cfg, size, args.reps)),
-                        (receiver, (cfgs, raw_cfg, size, args.reps))], 1800)
+    tr, rx = run_procs([(trainer, (cfgs, raw_cfg, size, args.reps, not args.torch_copy)),
+                        (receiver, (cfgs, raw_cfg, size, args.reps, not args.torch_copy))], 1800)
     med = {k: statistics.median(v) for k, v in tr["times"].items()}
     report = {"payload_bytes": tr["payload"], "bucket_bytes": bucket, "reps": args.reps,
+              "summing_copy": "torch" if args.torch_copy else "native",
               "median_s": med, "times_s": tr["times"],
               "gbps": {k: tr["payload"] / v / 1e9 for k, v in med.items()},
               "of_raw_gloo": {k: med["raw_gloo"] / v for k, v in med.items()},
               "of_memcpy": {k: med["memcpy"] / v for k, v in med.items()},
+              "x_memcpy": {k: v / med["memcpy"] for k, v in med.items()},
               "bit_exact": {n: d == tr["digests"] for n, d in rx["digests"].items()},
               "receiver_steps_ms": rx["steps_ms"]}
     for k in med:
         print(f"{k:17s} {med[k] * 1e3:9.1f} ms  {report['gbps'][k]:6.2f} GB/s  "
-              f"{report['of_raw_gloo'][k]:5.2f} of raw gloo  {report['of_memcpy'][k]:5.3f} of memcpy")
+              f"{report['of_raw_gloo'][k]:5.2f} of raw gloo  {report['x_memcpy'][k]:5.2f}x memcpy's time")
     print("bit-exact:", report["bit_exact"])
     for name, steps in rx["steps_ms"].items():
         print(f"receiver steps, {name} (median ms):", steps)

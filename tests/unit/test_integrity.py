@@ -116,18 +116,50 @@ def test_gathered_gpu_checksums_equal_the_cpu_ones_misaligned_parts_included() -
     assert read_back([checksum_parts_gpu(dev)]) != [checksum_parts(host)]
 
 
-def test_a_host_copy_sums_exactly_the_bytes_it_writes() -> None:
-    """`copy_summed_host` copies every byte (whole 1 MiB chunks, a short one, a tail of words and
-    loose bytes) and gives the terms of what it wrote: the same checksum as summing the copy."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_host_copy_sums_exactly_the_bytes_it_writes(native: bool, monkeypatch) -> None:
+    """`copy_summed_host`, native or by torch, copies every byte (many rows, a short run, a tail
+    of words and loose bytes; a destination 16-byte aligned, whose stores stream, and one only
+    8-byte aligned) and gives the terms of what it wrote: the same checksum as summing the copy.
+    The bytes around the destination are left alone."""
+    from vllm_nccl_sync.wire import integrity
     from vllm_nccl_sync.wire.integrity import copy_summed_host
 
-    for n in (N, 300 * 4096 + 8 * 7 + 5, 16, 3):
-        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        dst = torch.zeros_like(src)
-        terms = copy_summed_host(dst, src)
-        assert torch.equal(dst, src), n
-        parts = [torch.randint(0, 256, (4096,), dtype=torch.uint8), src]
-        assert checksum_parts(parts, [None, terms]) == checksum_parts(parts), n
+    if native and integrity._copy_rows is None:
+        pytest.skip("the native summing copy was not built here")
+    if not native:
+        monkeypatch.setattr(integrity, "_copy_rows", None)
+    for n in (N, 600 * 4096 + 8 * 7 + 5, 16, 3):
+        for shift in (0, 8):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            room = torch.zeros(n + 32, dtype=torch.uint8)
+            start = (-room.data_ptr()) % 16 + shift
+            dst = room[start : start + n]
+            terms = copy_summed_host(dst, src)
+            assert torch.equal(dst, src), (n, shift)
+            assert not room[:start].any() and not room[start + n :].any(), (n, shift)
+            parts = [torch.randint(0, 256, (4096,), dtype=torch.uint8), src]
+            assert checksum_parts(parts, [None, terms]) == checksum_parts(parts), (n, shift)
+
+
+def test_the_native_summing_copy_is_built_where_a_compiler_is() -> None:
+    """`pip install` builds `_copysum` wherever a C compiler is found (it is optional, so a
+    failed build would otherwise go unnoticed and every host copy take the slower torch path);
+    it refuses addresses not 8-byte aligned."""
+    import os
+    import shutil
+    import sysconfig
+
+    from vllm_nccl_sync.wire import integrity
+
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(headers):
+        pytest.skip("no C compiler here")
+    assert integrity._copy_rows is not None, "setup.py did not build vllm_nccl_sync.wire._copysum"
+    buf = torch.zeros(2 * 4096 + 16, dtype=torch.uint8)
+    out = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="aligned"):
+        integrity._copy_rows(buf.data_ptr() + 1, buf.data_ptr() + 4096, 1, out.data_ptr())
 
 
 def test_a_tapped_module_load_sums_what_it_copies_and_only_what_the_tap_wants() -> None:
