@@ -317,7 +317,8 @@ def run(args: Any) -> dict:
         handle = AsyncLLMHandle(engine, loop, call_timeout_s=args.timeout_s)
         bucket = int(args.bucket_mib * (1 << 20)) if args.bucket_mib else None
         sync = WeightSync([handle], backend="gloo" if host else "nccl",
-                          bucket_bytes=bucket, timeout_s=args.timeout_s, device=dev)
+                          bucket_bytes=bucket, timeout_s=args.timeout_s, device=dev,
+                          receive_process=args.receive_process)
         remote = host and args.trainer_process
         if remote:  # the push from a process of its own (trainer_proc), tensors drawn there
             sync.client.close()
@@ -410,6 +411,7 @@ def run(args: Any) -> dict:
             "command": " ".join(["python3", "benchmarks/bench_pause.py"] + [  # no directories
                 os.path.basename(a) if os.path.isabs(a) else a for a in sys.argv[1:]]),
             "env": bvg.env_info(), "engine_startup_s": startup, "data_plane": sync.cfg.backend,
+            "receive_process": sync.cfg.receive_process,
             "model": {"bytes": nbytes, "tensors": ntensors, "layers": args.layers},
             "trainer": "own process" if remote else "this process (the engine's front end)",
             "trainer_threads": args.trainer_threads or torch.get_num_threads(),
@@ -464,6 +466,9 @@ def main() -> None:
                     help="tokens every client streams before and after each update (8)")
     ap.add_argument("--bucket-mib", type=float, help="bucket size (default: the library's)")
     ap.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
+    ap.add_argument("--receive-process", action="store_true",
+                    help="gloo (--trainer-gpu cpu): the engine's worker receives in a process of "
+                         "its own (SyncConfig.receive_process)")
     ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization")
     ap.add_argument("--engine-gpu", default="1")
     ap.add_argument("--trainer-gpu", default="0",

@@ -89,9 +89,11 @@ def make_cfg(world_size: int = 2, **kw) -> dict:
 
 
 def receiver_proc(cfg: dict, rank: int, shapes: dict, updates: int, done=None,
-                  require_checksums: bool = True) -> list[dict]:
+                  require_checksums: bool = True, kill_receive_process: bool = False
+                  ) -> list[dict]:
     """A receiver loading into a torch module that starts with `weights(0)`; per update: its
-    summary, how long `receive()` took, the loader's calls, the module's digests, its state."""
+    summary, how long `receive()` took, the loader's calls, the module's digests, its state.
+    `kill_receive_process`: its first load SIGKILLs the receive process (`receive_process`)."""
     from vllm_nccl_sync.engine.loaders import ModuleLoader
     from vllm_nccl_sync.engine.receiver import Receiver
 
@@ -106,6 +108,9 @@ def receiver_proc(cfg: dict, rank: int, shapes: dict, updates: int, done=None,
 
         def load(self, named):
             calls.append(("load", sorted(n for n, _ in named)))
+            if kill_receive_process and not killed:
+                killed.append(rx.plane.transports[0].child_pid)
+                os.kill(killed[0], signal.SIGKILL)
             return super().load(named)
 
         def finish(self):
@@ -114,6 +119,7 @@ def receiver_proc(cfg: dict, rank: int, shapes: dict, updates: int, done=None,
         def abort(self):
             calls.append("abort")
 
+    killed: list[int] = []
     loader = ProbeLoader(model)
     rx = Receiver(SyncConfig(**cfg), rank, require_checksums=require_checksums)
     out = []
@@ -125,7 +131,8 @@ def receiver_proc(cfg: dict, rank: int, shapes: dict, updates: int, done=None,
             out.append({"summary": summary, "seconds": time.monotonic() - t0, "calls": calls,
                         "digests": digests(dict(model.named_parameters())),
                         "state": {"version": rx.state.version,
-                                  "consistent": rx.state.consistent}})
+                                  "consistent": rx.state.consistent},
+                        "pid": os.getpid()})
     finally:
         if done is not None:
             done.set()
@@ -466,6 +473,69 @@ def test_three_receivers_take_buckets_shorter_than_the_capacity():
     assert trainer["acks"] == [1, 2, 3]
     for [upd] in receivers:
         assert upd["digests"] == digests(weights(1, shapes))
+
+
+# ---------------------------------------------------------------- 5b. a receive process
+
+@pytest.mark.multiproc
+def test_a_broadcast_over_the_whole_buffer_ends_the_receive_process_not_the_receiver():
+    """With `receive_process`, a sender broadcasting more than the receiver's whole buffer
+    (which aborts a process receiving over gloo) ends the receive process only: the receiver
+    reports it within its bounds, naming the abort, with nothing of the update loaded (the
+    module holds update 1's weights, staged: consistent), and leaves normally."""
+    cfg = make_cfg(receive_process=True)
+    with in_background([(receiver_proc, (cfg, 1, SHAPES, 2))]) as procs:
+        tr = HandTrainer(cfg, procs)
+        try:
+            tr.join()
+            tr.good_update(1, weights(1))  # the receive process works
+            [b] = plan_buckets([("w", weights(2)["w"])], CAP)
+            tr.plan(2, [b], staged=True)
+            with contextlib.suppress(RuntimeError):  # the receiving end dies mid-send
+                tr.tx.broadcast(torch.ones(4 * CAP, dtype=torch.uint8)).wait()
+            heard = tr.error(2)  # the receiver's last update: it ends on its own
+            results = procs.result(timeout=DEADLINE)[0]
+        finally:
+            tr.close()
+    first, second = results
+    loaded(first, 1, seed=1)
+    s = second["summary"]
+    assert not s["ok"] and re.search(r"receive process ended during .*SIGABRT.*a sender sent "
+                                     r"more than this receiver's bucket holds", s["error"]), s
+    assert "SIGABRT" in heard, heard
+    assert second["calls"] == [] and second["digests"] == digests(weights(1)), second["calls"]
+    assert s["consistent"] and second["state"] == {"version": 1, "consistent": True}, s
+    assert second["seconds"] < 2 * TIMEOUT, second["seconds"]
+
+
+@pytest.mark.multiproc
+def test_a_receive_process_killed_mid_update_fails_it_at_once():
+    """The receive process SIGKILLed while bucket 0 loads (in place): the wait for bucket 1
+    ends at once naming the kill (well before gloo's timeout, the only other end of it), bucket
+    1 is never loaded, and the module is reported inconsistent (bucket 0's tensor new, bucket
+    1's old)."""
+    cfg = make_cfg(receive_process=True)
+    kill = (cfg, 1, SHAPES, 1, None, True, True)  # kill_receive_process
+    with in_background([(receiver_proc, kill)]) as procs:
+        tr = HandTrainer(cfg, procs)
+        try:
+            tr.join()
+            w = weights(1)
+            b0, b1 = plan_buckets(w.items(), CAP)
+            tr.plan(1, [b0, b1], staged=False)
+            wire = pack(b0, tr.buf)
+            tr.bucket(1, 0, checksum(wire), wire)  # bucket 1 is never sent: only the kill can
+            heard = tr.error(1)  # end the wait for it before gloo's own timeout
+            [upd] = procs.result(timeout=DEADLINE)[0]
+        finally:
+            tr.close()
+    s = upd["summary"]
+    assert not s["ok"] and re.search(r"receive process ended during .*SIGKILL", s["error"]), s
+    assert "SIGKILL" in heard, heard
+    assert upd["calls"] == ["begin", ("load", ["w"]), "abort"], upd["calls"]
+    assert upd["digests"] == {"w": digests(w)["w"], "v": digests(weights(0))["v"]}
+    assert not s["consistent"] and not upd["state"]["consistent"], s
+    assert upd["seconds"] < TIMEOUT, upd["seconds"]
 
 
 # ---------------------------------------------------------------- 6. one vLLM worker fails

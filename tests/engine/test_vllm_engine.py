@@ -58,21 +58,24 @@ def generate(llm) -> list[list[int]]:
     return vllm_greedy(llm, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm", "shm-in-place"])
+@pytest.mark.parametrize("backend", ["gloo", "shm", "shm-in-place", "gloo-receive-process"])
 def test_push_from_trainer_process_takes_effect_in_place(engine, backend):
     """Over gloo, then (same engine, newer versions) over the shared-memory plane, whose
     receiver loads straight from the trainer's segment; then with the trainer's model in
-    shared memory, which the engine reads where it lies."""
+    shared memory, which the engine reads where it lies; then over gloo received by a process
+    of the worker's own (`receive_process`)."""
     arch, llm = engine
     share = backend == "shm-in-place"
-    backend = "shm" if share else backend
+    apart = backend == "gloo-receive-process"
+    backend = "shm" if share else "gloo" if apart else backend
     before = generate(llm)
     [held] = llm.collective_rpc("nccl_sync_state")
     first = max(held["version"], 1) + 1
     versions = [first, first + 1]
     ptrs_before = llm.collective_rpc("nccl_sync_param_ptrs")
     cfg = dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=backend,
-               bucket_bytes=64 * 1024, timeout_s=60.0)  # small buckets: many, and chunking
+               bucket_bytes=64 * 1024, timeout_s=60.0,  # small buckets: many, and chunking
+               receive_process=apart)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=trainer, args=(cfg, arch, versions, child, share), daemon=True)

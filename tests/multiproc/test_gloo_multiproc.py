@@ -80,14 +80,18 @@ def receiver_proc(cfg: dict, rank: int, n_updates: int) -> dict:
     return {"updates": out, "sizes": sizes}
 
 
-def make_cfg(bucket_bytes: int = 16 * 1024, backend: str = "gloo") -> dict:
+def make_cfg(bucket_bytes: int = 16 * 1024, backend: str = "gloo", **kw) -> dict:
     return dict(control_port=free_port(), group_port=free_port(), world_size=3,
-                bucket_bytes=bucket_bytes, timeout_s=30.0, backend=backend)
+                bucket_bytes=bucket_bytes, timeout_s=30.0, backend=backend, **kw)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_two_receivers_get_bit_identical_tensors_and_exact_bytes(backend):
-    cfg = make_cfg(backend=backend)
+@pytest.mark.parametrize("backend, receive_process", [("gloo", False), ("shm", False),
+                                                      ("gloo", True)],
+                         ids=["gloo", "shm", "gloo-receive-process"])
+def test_two_receivers_get_bit_identical_tensors_and_exact_bytes(backend, receive_process):
+    """Every receiver gets every tensor bit for bit, each broadcast exactly its bucket's bytes;
+    also with each receiver's gloo group in a process of its own (`receive_process`)."""
+    cfg = make_cfg(backend=backend, receive_process=receive_process)
     versions = [1, 2]
     sender, *receivers = run_procs(
         [(sender_proc, (cfg, versions))]

@@ -114,7 +114,7 @@ def test_build_picks_ports_and_takes_defaults():
     assert SyncConfig.defaults() == {
         "host": "127.0.0.1", "backend": "gloo", "bucket_bytes": 512 * 1024 * 1024,
         "timeout_s": 120.0, "bucket_checksums": None, "secret": "", "senders": (),
-        "shard": False}
+        "shard": False, "receive_process": False}
     with pytest.raises(ValueError, match=r"unknown SyncConfig fields: \['bucket'\]"):
         SyncConfig.build(world_size=2, bucket=1)
     with pytest.raises(ValueError, match="needs world_size"):

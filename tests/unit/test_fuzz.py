@@ -545,6 +545,7 @@ class StandInTransport:
     backend = "stand-in"
     export, mapped, keep_mapped = Transport.export, Transport.mapped, Transport.keep_mapped  # none
     hand_over, side_socket = Transport.hand_over, Transport.side_socket
+    receive_buffers = Transport.receive_buffers  # memory of its own
 
     def __init__(self, cfg, rank, device=None):
         self.device = torch.device("cpu")

@@ -41,16 +41,21 @@ def test_the_planes_policies():
 
 def test_the_registry_names_every_plane_and_only_the_configs():
     """Every module of `planes/` that defines a plane (a concrete `Transport`) is in `PLANES`
-    under the name its class states, and the names are exactly those the config accepts."""
-    found = {}
+    under the name its class states, and the names are exactly those the config accepts; any
+    other class of a plane's name is a variant of the registered one (a receiver's way of
+    joining it: `receive_process`)."""
+    found: dict[str, list[type]] = {}
     for info in pkgutil.iter_modules(vllm_nccl_sync.planes.__path__):
         module = importlib.import_module(f"vllm_nccl_sync.planes.{info.name}")
         for cls in vars(module).values():
             if (inspect.isclass(cls) and issubclass(cls, Transport) and not inspect.isabstract(cls)
                     and cls.__module__ == module.__name__):
-                found[cls.backend] = (module.__name__, cls.__name__)
-    assert found == PLANES
-    assert sorted(PLANES) == sorted(BACKENDS)
+                found.setdefault(cls.backend, []).append(cls)
+    assert sorted(found) == sorted(PLANES) == sorted(BACKENDS)
+    for name, classes in found.items():
+        registered = plane(name)
+        assert registered in classes and all(issubclass(c, registered) for c in classes), name
+    assert len(found["gloo"]) == 2  # gloo and its receive-process variant: the check above ran
 
 
 def test_an_unknown_plane_is_refused_listing_the_known_ones():

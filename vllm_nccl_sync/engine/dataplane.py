@@ -80,8 +80,7 @@ class ReceivePlane:
         if self.loads_in_place:
             self.buffers = first.shared_buffers()
         else:
-            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device,
-                                        pin_memory=feeds_cuda) for _ in range(2)]
+            self.buffers = first.receive_buffers(2, bucket_bytes, pin=feeds_cuda)
         self.wire = first.shared_buffers() if self.shared else self.buffers
         """The buffers the collectives fill (the sender's, on same-host planes)."""
         self._pinned_for = engine if feeds_cuda else None

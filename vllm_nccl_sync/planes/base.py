@@ -45,9 +45,11 @@ class Transport(abc.ABC):
     What a peer can do to this process, plane by plane (`peer_harm`):
     - gloo: a broadcast longer than the receiver's whole bucket buffer aborts the receiving
       process inside gloo (`EnforceNotMet ... op.preamble.length <= op.nbytes`, the worker exits
-      with -6); there is no way around it on gloo. A longer send that still fits the posted
-      buffer is caught by the canary (`canary_bytes`) and nothing of that bucket is loaded. A
-      dead peer fails its transfers at the group's timeout; the others still get every bucket.
+      with -6); there is no way around it on gloo but receiving in another process
+      (`receive_process`: then that process exits, not the worker). A longer send that still
+      fits the posted buffer is caught by the canary (`canary_bytes`) and nothing of that bucket
+      is loaded. A dead peer fails its transfers at the group's timeout; the others still get
+      every bucket.
     - nccl: a peer cannot crash the process, but a dead peer leaves a collective pending until
       the deadman aborts the communicator (`armed`); the transport is then `broken`.
     - shm / ipc (`shared`): see their `peer_harm`.
@@ -95,8 +97,13 @@ class Transport(abc.ABC):
         self.deadman = Deadman()
         """The deadline of the update in flight (`armed`); a plane that can hang `watch`es it."""
         self.device = self._device(device)
-        self._store = open_store(cfg, rank)
-        self.pg = self._group(dist.PrefixStore("vllm_nccl_sync", self._store), cfg)
+        self._store: dist.Store | None = None
+        self.pg = self._join(cfg)
+
+    def _join(self, cfg: SyncConfig) -> Any:
+        """Meet the other ranks at the sender's rendezvous and build this rank's group."""
+        self._store = open_store(cfg, self.rank)
+        return self._group(dist.PrefixStore("vllm_nccl_sync", self._store), cfg)
 
     @abc.abstractmethod
     def _device(self, device: torch.device | None) -> torch.device:
@@ -117,6 +124,12 @@ class Transport(abc.ABC):
 
     def _release(self) -> None:
         """Free the group's resources on `close` (default: nothing beyond dropping it)."""
+
+    def receive_buffers(self, count: int, nbytes: int, pin: bool = False) -> list[torch.Tensor]:
+        """Receiver: `count` buffers of `nbytes` for its collectives to fill (`pin`: page-locked,
+        for a CUDA engine's copies out of them); by default memory of its own."""
+        return [torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+                for _ in range(count)]
 
     def export(self, t: torch.Tensor) -> Source | None:
         """Sender: where `t`'s bytes lie in memory the receivers map, so its bucket is read in

@@ -63,8 +63,9 @@ class GlooTransport(Transport):
     peer_harm = (
         "a broadcast longer than the receiver's whole bucket buffer aborts the receiving process "
         "inside gloo (EnforceNotMet ... op.preamble.length <= op.nbytes, exit -6), with no way "
-        "around it on gloo; a longer one that still fits the posted buffer is caught by the "
-        "canary; a dead peer fails its transfers at the group's timeout and is skipped after")
+        "around it on gloo (receive_process moves that to a process of the worker's own); a "
+        "longer one that still fits the posted buffer is caught by the canary; a dead peer "
+        "fails its transfers at the group's timeout and is skipped after")
 
     def _device(self, device: torch.device | None) -> torch.device:
         return torch.device("cpu")

@@ -47,5 +47,10 @@ def plane(name: str) -> type[Transport]:
 
 
 def open_transport(cfg: SyncConfig, rank: int, device: torch.device | None = None) -> Transport:
-    """Join the data plane `cfg.backend` names as `rank` of its group (see `Transport`)."""
+    """Join the data plane `cfg.backend` names as `rank` of its group (see `Transport`); a
+    receiver of `cfg.receive_process` joins it through a process of its own."""
+    if cfg.receive_process and rank != 0:
+        from vllm_nccl_sync.planes.receive_process import ProcessTransport
+
+        return ProcessTransport(cfg, rank, device)
     return plane(cfg.backend)(cfg, rank, device)

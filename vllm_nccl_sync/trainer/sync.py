@@ -107,8 +107,9 @@ class WeightSync:
 
     Args: `backend` (`gloo` or `nccl`), `bucket_bytes`, `timeout_s` (every wait), `host` (the
     address this trainer binds), `secret` (hex HMAC key), `shard` (each worker gets only what its
-    loaders read: shard to shard): as in `SyncConfig`, whose defaults they take; `device`: this
-    trainer's data-plane device.
+    loaders read: shard to shard), `receive_process` (gloo: each worker receives in a process of
+    its own): as in `SyncConfig`, whose defaults they take; `device`: this trainer's data-plane
+    device.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class WeightSync:
         host: str = _DEFAULT["host"],
         secret: str = _DEFAULT["secret"],
         shard: bool = _DEFAULT["shard"],
+        receive_process: bool = _DEFAULT["receive_process"],
         device: torch.device | None = None,
     ) -> None:
         if not engines:
@@ -129,7 +131,7 @@ class WeightSync:
         self.cfg = SyncConfig.build(host=host, world_size=1 + sum(e.workers for e in engines),
                                     backend=backend, bucket_bytes=bucket_bytes,
                                     timeout_s=timeout_s, secret=secret, shard=shard,
-                                    door="WeightSync")
+                                    receive_process=receive_process, door="WeightSync")
         self.offsets = [1 + sum(e.workers for e in engines[:i]) for i in range(len(engines))]
         self.client = PushClient(self.cfg, device)
 

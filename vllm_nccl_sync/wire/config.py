@@ -96,6 +96,11 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Shard to shard: each worker publishes its read set when it joins (what its loaders read
     of every checkpoint tensor), and each push of a state dict sends every worker only that,
     point to point (gloo, nccl; one sender)."""
+    receive_process: bool = False
+    """Receivers: each worker's gloo group lives in a process of its own, which receives the
+    buckets into memory it shares with the worker (`planes/receive_process.py`): a sender that
+    overruns a buffer ends that process, not the engine, and the engine's threads never share
+    Python's lock with a receive (gloo, one sender)."""
 
     def __post_init__(self) -> None:
         for name, hint in _HINTS.items():
@@ -113,6 +118,9 @@ class SyncConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.backend in SAME_HOST and self.senders:
             raise ValueError(f"the {self.backend} plane takes one sender (its buffers are the "
                              "sender's memory); several senders need gloo or nccl")
+        if self.receive_process and (self.backend != "gloo" or self.senders):
+            raise ValueError("receive_process takes the gloo plane and one sender (got "
+                             f"backend {self.backend!r}, {self.num_senders} sender(s))")
         if self.world_size < self.num_senders + 1:
             raise ValueError(f"world_size {self.world_size} must be >= {self.num_senders + 1} "
                              f"({self.num_senders} sender(s) and a receiver)")
