@@ -71,7 +71,7 @@ class _Child:
         self.sock = mine
         self.done: dict[int, str] = {}
         """Answers taken but not yet asked for: request id -> error text ("" when received)."""
-        self.lock = threading.Lock()  # the worker's receive thread and `abort` may both use it
+        self.lock = threading.Lock()  # one request at a time on the socket
 
     def request(self, msg: list[Any], fds: list[int] | None = None) -> None:
         """Send the child `msg` (`TimeoutError` if its socket stays full for `GRACE_S`)."""
