@@ -435,26 +435,36 @@ def test_a_plan_that_does_not_decode_is_refused_as_its_update(pair, case):
     pair.good_update(version + 1, 2)
 
 
-def test_a_run_of_buckets_read_in_place_goes_to_the_loader_in_one_call():
-    from vllm_nccl_sync.engine.update import Update
-    from vllm_nccl_sync.wire.protocol import PROTOCOL_VERSION, BucketHeader, Slot, Source
+def test_each_bucket_goes_to_the_loader_once_it_arrived_checked(pair):
+    """One loader call per bucket, holding that bucket's tensors, each made before the `Seal`
+    is sent: a bucket's copies are queued while the next ones are received, none held back to
+    be loaded with later buckets in one call."""
+    calls: list[list[str]] = []
+    both = threading.Event()
 
-    def h(seq: int, at: bool, last: bool = False) -> BucketHeader:
-        return BucketHeader(PROTOCOL_VERSION, 1, seq, 64, last, [Slot(f"t{seq}", "uint8", [64], 0, 64)],
-                            at=Source(0, 64 * seq) if at else None)
+    class Records(ModuleLoader):
+        def load(self, named_tensors):
+            calls.append([n for n, _ in named_tensors])
+            if len(calls) == 2:
+                both.set()
+            return super().load(named_tensors)
 
-    heads = [h(0, True), h(1, True), h(2, False), h(3, True, last=True)]
-    u = Update(rank=1, capacity=4096)
-    u.headers = {x.seq: x for x in heads}
-    got = [u.batched([(f"t{x.seq}", torch.zeros(1))], x) for x in heads]
-    assert got[0] is None  # the run goes on
-    assert [n for n, _ in got[1]] == ["t0", "t1"]  # ends before a packed bucket
-    assert [n for n, _ in got[2]] == ["t2"] and [n for n, _ in got[3]] == ["t3"]
-    assert u.batch == []
-    # a plane that copies each bucket into its own (reused) buffer: no runs
-    u.runs = False
-    got = [u.batched([(f"t{x.seq}", torch.zeros(1))], x) for x in heads]
-    assert [[n for n, _ in g] for g in got] == [["t0"], ["t1"], ["t2"], ["t3"]]
+    done = pair.receive(loader=Records(pair.model))
+    named = weights(3)
+    buckets, headers = pair.buckets(2, named)
+    assert len(headers) == 2
+    pair.ch.send(1, Plan(P, 2, [], buckets=headers))
+    pair.expect(Ready, 2)
+    pair.ch.send(1, Go(P, 2, len(headers) - 1))
+    sums = [pair.bucket(2, k, b) for k, b in enumerate(buckets)]
+    assert both.wait(30), f"loader calls before the Seal: {calls}"  # no Seal sent yet
+    pair.ch.send(1, Seal(P, 2, len(sums), sums))
+    pair.expect(Ack, 2)
+    pair.ch.send(1, Commit(P, 2, 1))
+    summary, _ = done.result(BOUND)
+    assert summary["ok"], summary
+    assert calls == [["a"], ["b"]]
+    assert all(torch.equal(p, named[n]) for n, p in pair.model.named_parameters())
 
 
 def test_a_summary_says_where_the_receiver_spent_the_update(pair):

@@ -72,9 +72,7 @@ class ReceivePlane:
         into this receiver's own buffer, which is checksummed and loaded, and the sender's
         buffer goes back at once (a bucket read in place is loaded from where it lies)."""
         self.loads_in_place = self.shared and not self.copies
-        """Every load reads the sender's memory where it lies (`ipc`, packed buckets too):
-        buckets read in place stay valid all update, so a run of them may go to the loader in
-        one call."""
+        """Every load reads the sender's memory where it lies (`ipc`, packed buckets too)."""
         if self.shared and len(transports) != 1:
             raise ValueError(f"the {first.backend} plane takes one sender")
         if self.loads_in_place:

@@ -154,7 +154,7 @@ class Receiver:
         """
         self.inbox.reset()
         u = Update(self.rank, self.cfg.bucket_bytes, self.cfg.num_senders, beside=beside,
-                   runs=self.plane.loads_in_place, reads=self.reads, layout=self._layout)
+                   reads=self.reads, layout=self._layout)
         if self.broken:
             return self._summary(u, False, f"transfer group is broken ({self.broken}); join again")
         try:
@@ -418,8 +418,8 @@ class Receiver:
                                      for n, t in named]  # blocks: kept as they arrived
                 if u.beside is not None:
                     u.staged_tensors += u.beside.shadow.take_completed()
-            elif (named or header.is_last) and (ready := u.batched(named, header)) is not None:
-                loader.load(ready)
+            elif named or header.is_last:  # queued now: run while the next buckets are prepared
+                loader.load(named)
             if header.is_last:
                 re.finish()
         except Exception as e:  # the loader is user/vLLM code: report, don't crash

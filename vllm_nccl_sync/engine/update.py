@@ -71,9 +71,6 @@ class Update:
     capacity: int
     senders: int = 1
     version: int = -1
-    runs: bool = True
-    """The plane's loads read buckets read in place where they lie (valid all update), so a run
-    of them goes to the loader in one call; False where each is copied into a reused buffer."""
     staged: bool = False
     seq: int = 0
     """The bucket being received."""
@@ -117,8 +114,6 @@ class Update:
     sums: list[Any] = field(default_factory=list)
     """Per bucket: the checksum of what arrived (an int, or one queued on the device)."""
     staged_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    batch: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    """Tensors of consecutive buckets read in place, handed to the loader in one call."""
     adapter: AdapterSpec | None = None
     """The LoRA adapter this update targets (None: base weights)."""
     beside: Any = None
@@ -275,17 +270,6 @@ class Update:
         if not missing:
             return None
         return Problem(Kind.RESIDENCY, f"{where}: {r.discarded}; {self.rewrite_needed(missing)}")
-
-    def batched(self, named: list[tuple[str, torch.Tensor]],
-                header: BucketHeader) -> list[tuple[str, torch.Tensor]] | None:
-        """`named` added to the tensors waiting for the loader: all of them to load now, or None
-        while a run of buckets read in place goes on (one loader call for the run, where `runs`)."""
-        self.batch += named
-        after = self.headers.get(header.seq + 1)
-        if self.runs and header.at is not None and after is not None and after.at is not None:
-            return None
-        ready, self.batch = self.batch, []
-        return ready
 
     def committed(self, st: ReceiverState) -> None:
         """Record this update, committed, in what the worker holds."""
