@@ -140,19 +140,17 @@ def _cuda_register(t: torch.Tensor) -> None:
 class _Received:
     """A receive posted to the child: `wait` returns once the bytes are in the shared buffer."""
 
-    def __init__(self, child: _Child, key: int, src: int, timeout_s: float,
-                 transport: ProcessTransport) -> None:
-        self._child, self._key, self._src = child, key, src
-        self._timeout_s = timeout_s
-        self._transport = transport
+    def __init__(self, transport: ProcessTransport, key: int, src: int) -> None:
+        self._transport, self._key, self._src = transport, key, src
 
     def wait(self) -> bool:
+        t = self._transport
         try:
-            err = self._child.answer(self._key, self._timeout_s, f"receive {self._key}")
+            err = t.pg.answer(self._key, t.timeout_s + GRACE_S, f"receive {self._key}")
         except (RuntimeError, TimeoutError) as e:
-            if self._transport.broken:
-                raise RuntimeError(f"transfer group aborted: {self._transport.broken}") from None
-            self._transport.abort(str(e))
+            if t.broken:
+                raise RuntimeError(f"transfer group aborted: {t.broken}") from None
+            t.abort(str(e))
             raise RuntimeError(str(e)) from None
         if err:
             raise PeerFailed(err, self._src)
@@ -166,7 +164,9 @@ class ProcessTransport(GlooTransport):
     def _join(self, cfg: SyncConfig) -> Any:
         if self.rank == 0:
             raise ValueError("receive_process is a receiver's: the sender joins gloo itself")
-        self._timeout_s = cfg.timeout_s
+        self.timeout_s = cfg.timeout_s
+        """How long one receive may take (the group's own timeout; the child's answer gets
+        `GRACE_S` more)."""
         self._keys = 0
         self._buffers: list[tuple[int, int, int]] = []
         """(id, address, bytes) of each buffer the child maps."""
@@ -223,7 +223,7 @@ class ProcessTransport(GlooTransport):
             raise ValueError("a receive process fills its receive_buffers() only")
         key = self._next()
         self.pg.request([key, "recv", where[0], where[1], n, src, None if to is None else list(to)])
-        return _Received(self.pg, key, src, self._timeout_s + GRACE_S, self)
+        return _Received(self, key, src)
 
     def _abort_group(self, pg: Any) -> None:
         """Kill the child: its pending receives end at once (the worker's waits see it)."""
@@ -286,10 +286,11 @@ def _serve(sock: socket.socket) -> None:
     msg, _ = _recv(sock)
     if msg is None:
         return
-    key, _, cfg, rank = msg
+    key, _, raw, rank = msg
     torch.set_num_threads(1)
     try:
-        transport = GlooTransport(SyncConfig.from_dict(cfg), rank)
+        cfg = SyncConfig.from_dict(raw)
+        transport = GlooTransport(cfg, rank)
     except Exception as e:  # noqa: BLE001 - said to the worker, which raises it
         _send(sock, [key, f"{type(e).__name__}: {e}"])
         return
@@ -303,7 +304,7 @@ def _serve(sock: socket.socket) -> None:
         if msg[1] == "close":
             break
         answers.put(msg[0], _take(msg, fds, transport, buffers))
-    answers.close(transport._timeout.total_seconds() + GRACE_S)
+    answers.close(cfg.timeout_s + GRACE_S)
     transport.close()
 
 
