@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -376,27 +377,49 @@ def receiver_of_refusals(cfg: dict) -> dict:
     return {"first": first, "digests": digests(targets)}
 
 
-def garbling_trainer(cfg: dict) -> list[dict]:
+def garbling_trainer(cfg: dict, flag: str) -> list[dict]:
     """Pushes seeds 1 and 2 as state dicts, staged; in the second, one byte changes after its
-    checksum was computed and before the engine reads it (another writer, a reuse bug)."""
+    checksum was computed and before the engine reads it (another writer, a reuse bug), then
+    `flag` is made (the receiver reads the second update only once it exists)."""
     from vllm_nccl_sync.trainer.lane import BucketLane
 
-    real, calls = BucketLane.settle, []
+    real, calls = BucketLane._read_in_place, []
 
-    def settle(self):
-        real(self)
-        calls.append(1)
-        if len(calls) == 2:
+    def summed(self, seq):
+        got = real(self, seq)
+        calls.append(seq)
+        if calls.count(0) == 2 and seq == 0:
+            torch.cuda.synchronize()  # the trainer's checksums ran
             self.held[-1][0] += 1
             torch.cuda.synchronize()
+            open(flag, "w").close()
+        return got
 
-    BucketLane.settle = settle
+    BucketLane._read_in_place = summed
     return push_each(cfg, [1, 2], staged=True, state_dict=True)
 
 
-def test_bytes_changed_after_the_trainer_summed_them_are_caught_and_nothing_is_loaded():
-    cfg = _cfg()
-    sent, got = run_procs([(garbling_trainer, (cfg,)), (receiver, (cfg, 2))], DEADLINE)
+def receiver_after(cfg: dict, flag: str) -> dict:
+    """`receiver` of two updates, the second read only once `flag` exists (bounded)."""
+    from vllm_nccl_sync.engine.dataplane import ReceivePlane
+
+    real, calls = ReceivePlane.begin, []
+
+    def begin(self):
+        calls.append(1)
+        deadline = time.monotonic() + 60
+        while len(calls) == 2 and not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        real(self)
+
+    ReceivePlane.begin = begin
+    return receiver(cfg, 2)
+
+
+def test_bytes_changed_after_the_trainer_summed_them_are_caught_and_nothing_is_loaded(tmp_path):
+    cfg, flag = _cfg(), str(tmp_path / "garbled")
+    sent, got = run_procs([(garbling_trainer, (cfg, flag)), (receiver_after, (cfg, flag))],
+                          DEADLINE)
     assert sent[0]["ok"] and not sent[1]["ok"] and "corrupted" in sent[1]["error"], sent
     first, second = got["updates"]
     assert first["summary"]["ok"] and not second["summary"]["ok"], second["summary"]

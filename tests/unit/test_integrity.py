@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_nccl_sync.wire.cuda_sums import Row
 from vllm_nccl_sync.wire.integrity import (
+    Pending,
     checksum,
     checksum_gpu,
     checksum_parts,
@@ -98,6 +100,22 @@ def test_a_gathered_bucket_of_one_part_has_that_parts_checksum_and_faults_change
         bad[f"a bit flipped in part {k}"] = flipped
     for what, got in bad.items():
         assert checksum_parts(got) != ref, what
+
+
+def test_read_back_reads_rows_of_one_launch_as_their_own_tensors() -> None:
+    """Terms named as rows of one tensor of sums (`Row`: what one kernel launch computed) read
+    back as the same terms held as tensors of their own, beside ints and other tensors, each
+    row where it lies."""
+    sums = torch.tensor([5, -7, 2**62 + 3, 11], dtype=torch.int64)
+    loose = torch.tensor(-(2**40), dtype=torch.int64)
+    as_rows = [Pending([(Row(sums, 2), 1), (loose, 3), (Row(sums, 0), 5)], 100), 17,
+               Pending([(Row(sums, 1), 7), (Row(sums, 3), 9)], 9)]
+    as_tensors = [Pending([(sums[2].clone(), 1), (loose.clone(), 3), (sums[0].clone(), 5)], 100),
+                  17, Pending([(sums[1].clone(), 7), (sums[3].clone(), 9)], 9)]
+    got = read_back(as_rows)
+    assert got == read_back(as_tensors) and got[1] == 17
+    swapped = [Pending([(Row(sums, 0), 1), (loose, 3), (Row(sums, 2), 5)], 100)]
+    assert read_back(swapped)[0] != got[0]
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +29,19 @@ except ImportError:  # CPU-only installs
     triton = None
 
 log = logging.getLogger(__name__)
-Terms = list[tuple[torch.Tensor, int]]
+
+
+class Row(NamedTuple):
+    """Element `index` of the 1-D int64 device tensor `sums`: one of the sums one launch
+    computed, named without a tensor of its own (making 171 such views cost about 0.14 ms of
+    host time on an H100's host, and stacking them to read them back another 0.11 ms;
+    `integrity.read_back` reads `sums` once)."""
+
+    sums: torch.Tensor
+    index: int
+
+
+Terms = list[tuple[torch.Tensor | Row, int]]
 _COLS = 512  # 64-bit words per row, as `integrity`
 _ROW_BYTES = 8 * _COLS
 _ROWS = 64  # rows of one block (one program)
@@ -134,7 +147,7 @@ def _run(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None) -> l
         _blocks[(table.shape[0],)](table, partial, COPY=dsts is not None, TILE=_TILE,
                                    STEPS=_ROWS // _TILE, COLS=_COLS)
     sums = torch.zeros(len(srcs), dtype=torch.int64, device=device).index_add_(0, owners, partial)
-    out = [[(term, 1)] for term in sums.unbind(0)]
+    out: list[Terms] = [[(Row(sums, j), 1)] for j in range(len(srcs))]
     for j, (_, _, nbytes) in enumerate(pairs):
         if nbytes % 8:  # the bytes past the last whole word
             whole = nbytes // 8 * 8

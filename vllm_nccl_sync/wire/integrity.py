@@ -57,9 +57,10 @@ def _terms(data: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
 
 
 class Pending(NamedTuple):
-    """A device checksum queued, not yet read: its weighted sums and the bytes it covers."""
+    """A device checksum queued, not yet read: its weighted sums (each a 0-d tensor, or a
+    `cuda_sums.Row`: one of a launch's sums) and the bytes it covers."""
 
-    terms: list[tuple[torch.Tensor, int]]
+    terms: list[tuple[Any, int]]
     nbytes: int
 
 
@@ -74,13 +75,27 @@ def checksum_gpu(data: torch.Tensor) -> Pending:
 
 
 def read_back(sums: Sequence[Any]) -> list[Any]:
-    """`sums` with every `Pending` checksum replaced by its int, read with one host sync."""
+    """`sums` with every `Pending` checksum replaced by its int, read with one host sync: every
+    tensor the terms name is read once (a `cuda_sums.Row`'s whole `sums`)."""
     pending = [s for s in sums if isinstance(s, Pending)]
     if not pending:
         return list(sums)
-    terms = [t for p in pending for t, _ in p.terms]
-    it = iter(torch.stack(terms).tolist() if terms else [])
-    values = iter([_finish(sum(next(it) * f for _, f in p.terms), p.nbytes) for p in pending])
+    start: dict[int, int] = {}  # per tensor read (by id): where its values begin in `flat`
+    read: list[torch.Tensor] = []
+    n = 0
+    for p in pending:
+        for t, _ in p.terms:
+            base = t if isinstance(t, torch.Tensor) else t.sums
+            if id(base) not in start:
+                start[id(base)], n = n, n + base.numel()
+                read.append(base)
+    flat = torch.cat([r.reshape(-1) for r in read]).tolist() if read else []
+
+    def value(t: Any) -> int:
+        return flat[start[id(t)]] if isinstance(t, torch.Tensor) else flat[start[id(t.sums)]
+                                                                              + t.index]
+
+    values = iter([_finish(sum(value(t) * f for t, f in p.terms), p.nbytes) for p in pending])
     return [next(values) if isinstance(s, Pending) else s for s in sums]
 
 
