@@ -165,7 +165,7 @@ class OneSender(Sender):
             size += len(msgspec.msgpack.encode(headers[-1]))
         if any(h.at is not None for h in headers):
             self.lane.settle()  # what receivers read where it lies is final, and summed
-        self.rounds.open(self._opening(headers), headers[-1].seq, meanwhile=self._pack_first)
+        self.rounds.open(self._opening(headers), headers[-1].seq, meanwhile=self._meanwhile)
         # A plan too big for one frame: the rest of its headers follow at the same distance.
         self.window = max(self.window, len(headers))
         return self._buckets()
@@ -187,6 +187,12 @@ class OneSender(Sender):
             self.layout = (self.layout_id, key)
         return Plan(PROTOCOL_VERSION, self.version, self.specs, self.full, self.force,
                     self.adapter, headers, self.staged, self.layout[0] if self.layout else 0)
+
+    def _meanwhile(self) -> None:
+        """While the receivers check the plan: the checksums of what they read in place queued
+        (`BucketLane.sum_ahead`), the first bucket made (`_pack_first`)."""
+        self.lane.sum_ahead()
+        self._pack_first()
 
     def _pack_first(self) -> None:
         """Make the first bucket's wire bytes while the receivers check the plan, where its
