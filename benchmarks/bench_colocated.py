@@ -313,8 +313,8 @@ def trainer(args: argparse.Namespace) -> None:
 
 def timing(client: Any, into: dict[str, float]) -> None:
     """Add the time `client.push` spends in each of its phases to `into` (the bench's own
-    instrument): planning (and, read in place, the checksums queued ahead), the wait for the
-    device before the plan, plan to every Ready, posting, the drain, Seal to Commit."""
+    instrument): planning, the wait for the device before the plan, plan to every Ready (and,
+    read in place, the checksums queued meanwhile), posting, the drain, Seal to Commit."""
     for owner, names in ((client.lane, ("layout", "at", "settle", "post", "drain")),
                          (client.rounds, ("open", "commit"))):
         for name in names:
