@@ -314,8 +314,6 @@ class Receiver:
         step is only queued (see `dataplane`): the host never waits between buckets.
         """
         self.plane.begin()
-        if not u.staged:  # while the Go is on its way (loads may begin once it came)
-            self._begin(loader, u)
         self._start(0, u)
         while True:
             seq = u.seq
@@ -402,23 +400,15 @@ class Receiver:
                                      loaded):
             self.inbox.fail(u, problem)
 
-    def _begin(self, loader: WeightLoader, u: Update) -> None:
-        """Let the loader prepare for an update loaded as it arrives (`loader.begin`); a
-        failure fails the update."""
-        try:
-            loader.begin()
-            u.began = True
-        except Exception as e:  # the loader is user/vLLM code: report, don't crash
-            self.inbox.fail(u, Problem(Kind.LOAD, f"rank {self.rank} failed preparing the load: "
-                                       f"{clip(repr(e))}"))
-            log.exception("loader.begin() failed")
-
     def _load(self, seq: int, loader: WeightLoader, re: Reassembler, u: Update) -> None:
         """Hand bucket `seq`'s tensors to the loader (or keep clones of them when staged)."""
         if u.failed is not None:
             return
         header = u.headers[seq]
         try:
+            if not u.began and not u.staged:  # rows may go to the loader while unpacking
+                loader.begin()
+                u.began = True
             by_rows = re.loaded_by_rows
             named = re.unpack(header, self.plane.bucket(seq)) if u.mine(header) else []
             u.ntensors += len(named) + re.loaded_by_rows - by_rows
