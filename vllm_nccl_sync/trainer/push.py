@@ -164,7 +164,7 @@ class OneSender(Sender):
             headers.append(self._plan_next())  # past the bounds: the rest follows as a stream
             size += len(msgspec.msgpack.encode(headers[-1]))
         if any(h.at is not None for h in headers):
-            self.lane.settle()  # what receivers read where it lies is final, and summed
+            self.lane.settle()  # what receivers read where it lies is final
         self.rounds.open(self._opening(headers), headers[-1].seq, meanwhile=self._meanwhile)
         # A plan too big for one frame: the rest of its headers follow at the same distance.
         self.window = max(self.window, len(headers))
