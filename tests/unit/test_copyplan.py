@@ -125,6 +125,49 @@ def test_a_replaced_parameter_or_another_shape_is_loaded_again():
     assert plan.replayed == 6 + 6  # update 2: all but proj; update 3: all but embed
 
 
+def test_a_parameter_viewing_its_storage_elsewhere_is_loaded_again():
+    """The same Parameter over the same storage, at another offset: the recorded writes (at
+    the old offset) are not replayed; the loader writes where the parameter lies now."""
+    m, plan = Toy(), CopyPlan()
+    base = torch.zeros(16, 4)
+    m.qkv = torch.nn.Parameter(base[:12])
+    update(plan, m, 1)
+    m.qkv.data = base[4:]
+    update(plan, m, 2)
+    assert m.calls == 10 and torch.equal(m.qkv, torch.cat([w for _, w in weights(2)[:3]]))
+
+
+def test_a_parameter_made_anew_each_update_replays_where_its_layout_is_the_same():
+    """A parameter the loader's `begin` makes anew for each update (vLLM's CPU linears), named
+    `renewed`: its recorded copies replay into the new object, bit for bit what the loader
+    writes; made anew with another shape, or not named renewed, it goes through the loader."""
+    m, ref, plan = Toy(), Toy(), CopyPlan()
+
+    def renew(shape: tuple[int, int] = (12, 4)) -> None:
+        m.qkv = torch.nn.Parameter(torch.full(shape, float("nan")))  # as `cpu_repack` makes it
+
+    renew()
+    plan.refresh(params(m), frozenset({"qkv"}))
+    plan.load(weights(1), m.load_weights)
+    assert m.calls == 7 and plan.loaded == 7 and not plan.off
+    for seed in (2, 3):
+        renew()
+        plan.refresh(params(m), frozenset({"qkv"}))
+        assert plan.load(weights(seed), m.load_weights) == {"qkv", "proj", "embed", "steps"}
+        ref.load_weights(weights(seed))
+        assert m.calls == 7 and plan.loaded == 7  # q, k, v replayed into the new qkv
+        assert all(torch.equal(state(m)[n], v) for n, v in state(ref).items())
+    assert plan.replayed == 14
+    renew()
+    plan.refresh(params(m))  # not named renewed: another Parameter, loaded again
+    plan.load(weights(4), m.load_weights)
+    assert m.calls == 10 and torch.equal(m.qkv, torch.cat([w for n, w in weights(4)[:3]]))
+    renew((13, 4))  # renewed, but its layout is not the recorded one
+    plan.refresh(params(m), frozenset({"qkv"}))
+    plan.load(weights(5), m.load_weights)
+    assert m.calls == 13 and torch.equal(m.qkv[:12], torch.cat([w for n, w in weights(5)[:3]]))
+
+
 def test_a_rehearsal_records_without_writing_and_the_first_load_replays():
     m, ref, plan = Toy(), Toy(), CopyPlan()
     before = state(m)

@@ -12,8 +12,10 @@ dtype conversion made before the copy, a copy from another tensor than the one b
 a write into memory that is neither a parameter nor allocated by the loader during the recording,
 switches replay off for the model, for good, with the reason kept (`off`). Each recorded entry
 names its parameters and is replayed only while those are the very same `Parameter` objects with
-the same storage, dtype and size, and the incoming tensor has the recorded dtype, shape and
-strides; anything else goes through the loader again (and is recorded again).
+the same storage, dtype and size (or, for a parameter the loader makes anew each update with the
+same constructor, as vLLM's CPU backend needs for its packed linears, the same shape, strides,
+offset and storage size), and the incoming tensor has the recorded dtype, shape and strides;
+anything else goes through the loader again (and is recorded again).
 
 A recording can also be made ahead, without touching the model (`rehearse`): the loader runs with
 every write into a parameter skipped, so an update received beside serving is recorded while the
@@ -63,8 +65,18 @@ class _Op:
 class _Entry:
     signature: tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]
     ops: list[_Op] = field(default_factory=list)
-    params: dict[str, tuple[int, int, int, torch.dtype]] = field(default_factory=dict)
-    """Every parameter it writes: (id of the Parameter, storage pointer, storage bytes, dtype)."""
+    params: dict[str, tuple] = field(default_factory=dict)
+    """Every parameter it writes, as `_identity` knew it when recorded."""
+
+
+def _identity(p: torch.Tensor, renewed: bool) -> tuple:
+    """What must not have changed for a recorded write into `p` to replay: its layout (shape,
+    strides, offset in a storage of that size, dtype) and the very Parameter and storage; for a
+    parameter its loader's `begin` makes anew each update with the same constructor
+    (`renewed`), its layout only."""
+    layout = (tuple(p.shape), p.stride(), p.storage_offset(), p.untyped_storage().nbytes(),
+              p.dtype)
+    return ("renewed", *layout) if renewed else (id(p), p.untyped_storage().data_ptr(), *layout)
 
 
 def _signature(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]:
@@ -114,25 +126,32 @@ class CopyPlan:
         self.off = ""
         """Why replay is off for this model ("" while it is on)."""
         self.replayed = 0
+        self.loaded = 0
+        """Tensors that went through the loader itself (recorded, or replay off)."""
         self.graphs = CapturedReplays()
         """Batches that repeat, replayed as one CUDA graph launch each."""
         self._params: dict[str, torch.Tensor] = {}
-        self._now: dict[str, tuple[int, int, int, torch.dtype]] = {}
+        self._now: dict[str, tuple] = {}
         self._by_storage: dict[int, str] = {}
         self._current: tuple[str, torch.Tensor] | None = None
         self._recording: dict[str, _Entry] = {}
         self._fresh: set[int] = set()  # storages allocated while recording
+        self._renewed: frozenset[str] = frozenset()
 
-    def refresh(self, params: dict[str, torch.Tensor]) -> None:
+    def refresh(self, params: dict[str, torch.Tensor], renewed: frozenset[str] = frozenset()
+                ) -> None:
         """The model's parameters and buffers as they are now (call once per update, after
-        anything that may replace them)."""
-        self._params = params
-        self._now = {name: (id(p), *_storage(p), p.dtype) for name, p in params.items()}
+        anything that may replace them). `renewed`: the parameters made anew for this update
+        as the last one's were (the CPU backend's linears, `patches.cpu_repack`): their
+        recorded writes replay into the new ones where the layout is the same, never as a
+        captured graph (it holds the old addresses)."""
+        self._params, self._renewed = params, renewed
+        self._now = {name: _identity(p, name in renewed) for name, p in params.items()}
         """What `_Entry.params` records of each parameter, as it is now."""
         self._by_storage = {}
         for name, p in params.items():
             if p.numel():
-                self._by_storage.setdefault(self._now[name][1], name)
+                self._by_storage.setdefault(_storage(p)[0], name)
 
     def load(self, batch: list[tuple[str, torch.Tensor]],
              load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[str] | None]
@@ -142,6 +161,7 @@ class CopyPlan:
         known, rest = self.split(batch)
         done = self.replay(known)
         if rest:
+            self.loaded += len(rest)
             with self.recording(rest) as weights:
                 done |= set(load_weights(weights) or ())
         return done
@@ -175,7 +195,7 @@ class CopyPlan:
             return set()
         tap = tapping.get()
         device = known[0][1].device
-        if (device.type == "cuda" and not self.graphs.off
+        if (device.type == "cuda" and not self.graphs.off and not self._renewed
                 and all(t.device == device for _, t in known)):
             key = (device.index, tap is not None,
                    *((id(e), t.data_ptr(), tap is not None and tap.wants(t)) for e, t in known))
@@ -356,8 +376,7 @@ class CopyPlan:
         else:
             return self._disable(f"loading {name!r} wrote into {pname} with {func}")
         entry.ops.append(op)
-        ptr, nbytes = _storage(param)
-        entry.params[pname] = (id(param), ptr, nbytes, param.dtype)
+        entry.params[pname] = self._now[pname]
 
 
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:

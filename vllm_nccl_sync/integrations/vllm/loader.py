@@ -13,7 +13,8 @@ vLLM's. Three ways, chosen per model (`mode="auto"`):
   storage (`patches.layerwise`; received tensors an incomplete layer still holds are cloned,
   since the receive buffer is reused).
 * CPU backend, where vLLM packs linear weights after loading: `begin()`/`finish()` unpack and
-  re-pack them through `patches.cpu_repack`.
+  re-pack them through `patches.cpu_repack`. The weights unpacked for each update are made as
+  the last update's were, so `load_weights`' copies into them are replayed too.
 
 Whatever the mode, the per-layer rule of `patches.postload` applies on top: layers in kernel
 format that the mode does not cover (e.g. experts pre-packed by the CPU MoE backend) go through the
@@ -189,8 +190,10 @@ class VllmWeightLoader:
             self._retained_peak = 0
         self._replay = not lw and not self._fp8_blocks
         if self._replay:
-            self._plan.replayed = self._plan.graphs.launched = 0
-            self._plan.refresh(self._params())
+            self._plan.replayed = self._plan.loaded = self._plan.graphs.launched = 0
+            params = self._params()
+            made = {id(e.layer.weight) for e in self._unpacked}  # as each update makes them
+            self._plan.refresh(params, frozenset(n for n, p in params.items() if id(p) in made))
 
     def _refreshed(self) -> tuple[dict, dict]:
         """The layers `finish` refreshes (`patches.postload.expert_layers`, `derived_layers`):
@@ -371,7 +374,8 @@ class VllmWeightLoader:
         counts["derived_refreshed"] = post.refresh_derived(self.model, mc, self.loaded, derived)
         counts["loaded_by_rows"] = self._by_rows
         if self._replay:
-            counts.update(replayed=self._plan.replayed, graph_launches=self._plan.graphs.launched)
+            counts.update(replayed=self._plan.replayed, through_loader=self._plan.loaded,
+                          graph_launches=self._plan.graphs.launched)
         self.stats = counts
         if partial:
             raise ValueError(f"{len(partial)} layer(s) got only part of their weights and keep "
