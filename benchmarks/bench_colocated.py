@@ -494,6 +494,8 @@ def summary(rows: list[dict], mode: str) -> str:
                      + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rx_phases.items()) + ")")
         if (graphs := by[ours].get("graph_launches")) is not None:
             line += f"; batches launched as CUDA graphs, per push: {graphs}"
+        if (loader := by[ours].get("through_loader")) is not None:
+            line += f"; tensors through vLLM's loader (not replayed), per push: {loader}"
         line += "."
     return line
 

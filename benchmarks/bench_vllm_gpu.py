@@ -606,6 +606,7 @@ class Driver:
                 raise RuntimeError(f"receive failed: {s}")
             return {"rx_s": s["seconds"], "buckets": s["buckets"],
                     "graph_launches": s.get("load", {}).get("graph_launches"),
+                    "through_loader": s.get("load", {}).get("through_loader"),
                     **({"rx_phases": {k: v / 1e3 for k, v in s["steps_ms"].items()}}
                        if "steps_ms" in s else {})}
         if method == "raw":
@@ -661,8 +662,9 @@ def stats(runs: list[dict]) -> dict:
             "trainer_s_median": statistics.median(r["trainer_s"] for r in runs),
             **({"rx_s_median": statistics.median(r["rx_s"] for r in runs),
                 "buckets": runs[0]["buckets"]} if "rx_s" in runs[0] else {}),
-            **({"graph_launches": [r["graph_launches"] for r in runs]}  # per push (copyplan)
-               if all(r.get("graph_launches") is not None for r in runs) else {}),
+            **({key: [r[key] for r in runs]  # per push (copyplan)
+                for key in ("graph_launches", "through_loader")
+                if all(r.get(key) is not None for r in runs)}),
             **({"trainer_phases_s_median": {k: statistics.median(r["phases"].get(k, 0.0)
                                                                  for r in runs)
                                             for k in runs[0]["phases"]}}

@@ -138,6 +138,7 @@ def test_bench_colocated_cpu_smoke(tmp_path):
         assert {"sealed", "checked", "finished", "committed"} <= set(steps), steps
         assert all(v >= 0 for v in steps.values()) and steps["kept"] > 0, steps
         assert x["graph_launches"] == [0, 0], x  # reported per push; a CPU engine has none
+        assert x["through_loader"][-1] == 0, x  # the loader's copies replayed, linears included
     assert os.path.exists(r["trainer_log"])
 
 
