@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -43,6 +42,8 @@ if ROOT not in sys.path:
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
 
 import torch  # noqa: E402
+
+from vllm_nccl_sync.trainer.sync import free_port  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -122,12 +123,6 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     w = torch.arange(_CH, device=dev, dtype=torch.int64)
     sums = torch.stack([checksum(t, w) for t in tensors.values()]).tolist()
     return dict(zip(tensors, sums, strict=True))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stats(times: list[float], nbytes: int, ceiling_s: float | None) -> dict:

@@ -45,8 +45,8 @@ def main() -> None:
 
     from vllm import LLM
 
-    from tests.conftest import free_port
     from vllm_nccl_sync.tiny import engine_kwargs, make_model
+    from vllm_nccl_sync.trainer.sync import free_port
 
     path = make_model(tempfile.mkdtemp(), args.arch, seed=1)
     llm = LLM(model=path, worker_extension_cls="vllm_nccl_sync.Ext", **engine_kwargs())

@@ -24,9 +24,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-from tests.conftest import free_port  # noqa: E402
 from tests.procs import run_procs  # noqa: E402
 from vllm_nccl_sync.bench import _Params, join_receivers, write_report  # noqa: E402
+from vllm_nccl_sync.trainer.sync import free_port  # noqa: E402
 
 PLANES = ("shm", "gloo")
 

@@ -93,6 +93,33 @@ def test_replayed_loads_equal_the_loaders_own_and_skip_it():
     assert ptrs == {n: p.data_ptr() for n, p in params(m).items()}  # in place
 
 
+class Hooked(torch.nn.Parameter):
+    """A parameter class like vLLM's: every method and attribute goes through its
+    `__torch_function__` (counted here), which only defers to torch's."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Hooked.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_replay_skips_the_parameters_own_hooks_and_stays_bit_exact():
+    m, ref, plan = Toy(), Toy(), CopyPlan()
+    for name in ("qkv", "proj", "embed"):
+        setattr(m, name, Hooked(getattr(m, name).detach().clone(), requires_grad=False))
+    update(plan, m, 1)  # recorded through the loader, which runs the hooks
+    assert Hooked.calls > 0 and not plan.off
+    for seed in (2, 3):
+        Hooked.calls = 0
+        assert update(plan, m, seed) == {"qkv", "proj", "embed", "steps"}
+        assert Hooked.calls == 0 and m.calls == 7  # replayed, no hook run
+        ref.load_weights(weights(seed))
+        for name, want in state(ref).items():
+            assert torch.equal(state(m)[name], want), name
+
+
 def test_a_loader_that_computes_turns_replay_off_and_still_loads():
     m, ref, plan = Toy(computed=True), Toy(computed=True), CopyPlan()
     update(plan, m, 1)

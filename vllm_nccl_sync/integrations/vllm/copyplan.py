@@ -11,10 +11,10 @@ view of it) or a constant `fill_`/`zero_`; any other write into a parameter (a c
 dtype conversion made before the copy, a copy from another tensor than the one being loaded), or
 a write into memory that is neither a parameter nor allocated by the loader during the recording,
 switches replay off for the model, for good, with the reason kept (`off`). Each recorded entry
-names its parameters and is replayed only while those are the very same `Parameter` objects with
-the same storage, dtype and size (or, for a parameter the loader makes anew each update with the
-same constructor, as vLLM's CPU backend needs for its packed linears, the same shape, strides,
-offset and storage size), and the incoming tensor has the recorded dtype, shape and strides;
+names its parameters and is replayed only while those are the very same `Parameter` objects on
+the same storage, laid out alike (shape, strides, offset, storage size, dtype; for a parameter the
+loader makes anew each update with the same constructor, as vLLM's CPU backend needs for its packed
+linears, the layout alone), and the incoming tensor has the recorded dtype, shape and strides;
 anything else goes through the loader again (and is recorded again).
 
 A recording can also be made ahead, without touching the model (`rehearse`): the loader runs with
@@ -69,14 +69,21 @@ class _Entry:
     """Every parameter it writes, as `_identity` knew it when recorded."""
 
 
-def _identity(p: torch.Tensor, renewed: bool) -> tuple:
+def _identity(p: torch.Tensor, s: torch.UntypedStorage, renewed: bool) -> tuple:
     """What must not have changed for a recorded write into `p` to replay: its layout (shape,
     strides, offset in a storage of that size, dtype) and the very Parameter and storage; for a
     parameter its loader's `begin` makes anew each update with the same constructor
-    (`renewed`), its layout only."""
-    layout = (tuple(p.shape), p.stride(), p.storage_offset(), p.untyped_storage().nbytes(),
-              p.dtype)
-    return ("renewed", *layout) if renewed else (id(p), p.untyped_storage().data_ptr(), *layout)
+    (`renewed`), its layout only. `s`: its storage."""
+    layout = (tuple(p.shape), p.stride(), p.storage_offset(), s.nbytes(), p.dtype)
+    return ("renewed", *layout) if renewed else (id(p), s.data_ptr(), *layout)
+
+
+def without_hooks() -> contextlib.AbstractContextManager:
+    """Tensor subclasses' `__torch_function__` skipped: vLLM's parameters route every method
+    and attribute through theirs (a Python call each, which only defers to torch's; about 6 µs
+    per parameter where the replay's checks read its layout, against under 1 µs without). The
+    ops a replay runs are ATen ops recorded below that level."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def _signature(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]:
@@ -146,12 +153,15 @@ class CopyPlan:
         recorded writes replay into the new ones where the layout is the same, never as a
         captured graph (it holds the old addresses)."""
         self._params, self._renewed = params, renewed
-        self._now = {name: _identity(p, name in renewed) for name, p in params.items()}
+        self._now = {}
         """What `_Entry.params` records of each parameter, as it is now."""
         self._by_storage = {}
-        for name, p in params.items():
-            if p.numel():
-                self._by_storage.setdefault(_storage(p)[0], name)
+        with without_hooks():
+            for name, p in params.items():
+                s = p.untyped_storage()
+                self._now[name] = _identity(p, s, name in renewed)
+                if p.numel():
+                    self._by_storage.setdefault(s.data_ptr(), name)
 
     def load(self, batch: list[tuple[str, torch.Tensor]],
              load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[str] | None]
@@ -221,8 +231,14 @@ class CopyPlan:
         that hands it their checksums: the sender's memory is read once."""
         done: set[str] = set()
         summed: list[tuple[torch.Tensor, Any]] = []
-        if tap is not None:
-            known = self._summed(known, tap, done, summed)
+        with without_hooks():
+            if tap is not None:
+                known = self._summed(known, tap, done, summed)
+            self._writes(known, done)
+        return done, summed, len(known) + len(summed)
+
+    def _writes(self, known: list[tuple[_Entry, torch.Tensor]], done: set[str]) -> None:
+        """Queue the recorded writes of `known`, adding the parameter names written to `done`."""
         for e, t in known:
             base = t.storage_offset()  # recorded offsets are within t (contiguous)
             for op in e.ops:
@@ -233,7 +249,6 @@ class CopyPlan:
                     dst.copy_(t.as_strided(op.src[1], op.src[2], base + op.src[0]),
                               non_blocking=op.non_blocking)
             done.update(e.params)
-        return done, summed, len(known) + len(summed)
 
     def _summed(self, known: list[tuple[_Entry, torch.Tensor]], tap: Tap, done: set[str],
                 summed: list[tuple[torch.Tensor, Any]]) -> list[tuple[_Entry, torch.Tensor]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan
+from vllm_nccl_sync.integrations.vllm.copyplan import CopyPlan, without_hooks
 from vllm_nccl_sync.integrations.vllm.model_slots import ModelSlots, tied_aliases
 from vllm_nccl_sync.outcomes import Kind, Problem
 from vllm_nccl_sync.wire.taps import copy_tapped
@@ -322,8 +322,9 @@ class VllmWeightLoader:
         pname, param, first, end = target
         lo, hi = max(first_row, first), min(first_row + rows.shape[0], end)
         if lo < hi:  # this worker's rows in this chunk (summed on the way if a tap wants them)
-            dst, src = param[lo - first : hi - first], rows[lo - first_row : hi - first_row]
-            copy_tapped(dst, src)
+            with without_hooks():
+                dst, src = param[lo - first : hi - first], rows[lo - first_row : hi - first_row]
+                copy_tapped(dst, src)
         if first_row + rows.shape[0] == shape[0]:
             self.loaded.add(pname)
             self._by_rows += 1
