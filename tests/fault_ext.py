@@ -72,7 +72,7 @@ class FaultExt(Ext):
         session.loaders = real
         armed = where if where and me == tp_rank else ""
         if armed == "verify":
-            def failing_verify(seal: Any, u: Any) -> None:
+            def failing_verify(seal: Any, sums: Any, u: Any) -> None:
                 u.failed = u.failed or Problem(Kind.SEAL, f"rank {receiver.rank}: {INJECTED}: "
                                                f"verification of the seal on tp rank {me}")
 

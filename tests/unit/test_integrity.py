@@ -13,6 +13,7 @@ from vllm_nccl_sync.wire.integrity import (
     checksum_parts,
     checksum_parts_gpu,
     read_back,
+    reading,
 )
 
 N = 3 * 4096 + 8 * 5 + 3  # whole 4 KiB rows, a tail of words, and loose bytes
@@ -116,6 +117,23 @@ def test_read_back_reads_rows_of_one_launch_as_their_own_tensors() -> None:
     assert got == read_back(as_tensors) and got[1] == 17
     swapped = [Pending([(Row(sums, 0), 1), (loose, 3), (Row(sums, 2), 5)], 100)]
     assert read_back(swapped)[0] != got[0]
+
+
+def test_a_reading_gathers_the_sums_when_queued_and_reads_them_when_called() -> None:
+    """`reading` gathers the device's sums when it is made (on CUDA: queued behind the work
+    that computes them), so the receiver can do it before it waits for its loads; calling it
+    gives `read_back`'s values, of the sums as they were gathered."""
+    sums = torch.tensor([5, -7, 2**62 + 3, 11], dtype=torch.int64)
+    loose = torch.tensor(-(2**40), dtype=torch.int64)
+    pending = [Pending([(Row(sums, 2), 1), (loose, 3)], 100), 17,
+               Pending([(Row(sums, 1), 7), (Row(sums, 3), 9), (Row(sums, 0), 5)], 9)]
+    want = read_back(pending)
+    read = reading(pending)
+    sums.add_(1)  # after the gather: a later write to the sums' memory is not what is read
+    loose.add_(1)
+    assert read() == want and read() == want
+    assert read_back(pending) != want
+    assert reading([3, 0])() == [3, 0]
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from vllm_nccl_sync.wire.integrity import (
     checksum_parts,
     checksum_parts_gpu,
     copy_summed_host,
-    read_back,
+    reading,
 )
 from vllm_nccl_sync.wire.protocol import BucketHeader, Seal
 from vllm_nccl_sync.wire.taps import Tap, tapping
@@ -264,16 +264,23 @@ class ReceivePlane:
     def values(self, sums: list[Any]) -> list[int | None]:
         """The checksums of `arrived` as ints (device ones read back in one go, once the
         streams that computed them ran)."""
+        return self.reading(sums)()
+
+    def reading(self, sums: list[Any]) -> Callable[[], list[int | None]]:
+        """`values` in two steps: the device's sums queued behind the loads now (no host sync),
+        read when the returned call is made; queued before the receiver waits for the loads,
+        the host work of gathering them runs while the device copies."""
         if not self.cuda:
-            return [checksum_parts(s.parts, [self.tap.take(p) for p in s.parts])
-                    if isinstance(s, _Gathered) else s for s in sums]
+            got = [checksum_parts(s.parts, [self.tap.take(p) for p in s.parts])
+                   if isinstance(s, _Gathered) else s for s in sums]
+            return lambda: got
         cur = torch.cuda.current_stream(self.device)
         cur.wait_stream(self._cksum)
         cur.wait_stream(self._load)
         self.tap.sum_missing([p for s in sums if isinstance(s, _Gathered) for p in s.parts])
         sums = [checksum_parts_gpu(s.parts, [self.tap.take(p) for p in s.parts])
                 if isinstance(s, _Gathered) else s for s in sums]
-        return read_back(sums)
+        return reading(sums)
 
     def drain(self, posted: dict[int, Any], clean: bool, timeout_s: float) -> str:
         """Wait for every collective still posted (after a clean abort each completes; else

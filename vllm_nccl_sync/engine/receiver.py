@@ -334,11 +334,12 @@ class Receiver:
                 break
             del u.headers[seq]
             u.seq = seq + 1
+        sums = self.plane.reading(u.sums) if u.failed is None else None  # behind the loads
         self.plane.settle_reads(self.cfg.timeout_s)  # the sender's memory is its own again
         u.mark("read")
         seal = self._round.seal(u)
         u.mark("sealed")
-        self._verify(seal, u)
+        self._verify(seal, sums, u)
         u.mark("checked")
         if u.failed is None and u.began:
             try:
@@ -427,11 +428,14 @@ class Receiver:
                                        f"{clip(repr(e))}"))
             log.exception("loading bucket %d failed", seq)
 
-    def _verify(self, seal: Seal, u: Update) -> None:
-        """Compare the sender's `Seal` with what arrived: bucket count and every checksum."""
+    def _verify(self, seal: Seal, sums: Callable[[], list[int | None]] | None,
+                u: Update) -> None:
+        """Compare the sender's `Seal` with what arrived (`sums`: the update's checksums as
+        `ReceivePlane.reading` queued them; None: read them now): bucket count and every
+        checksum."""
         if u.failed is None:
-            u.failed = seal_problem(self.rank, u.version, seal, self.plane.values(u.sums),
-                                    self.require_checksums)
+            got = sums() if sums is not None else self.plane.values(u.sums)
+            u.failed = seal_problem(self.rank, u.version, seal, got, self.require_checksums)
 
     def _failed(self, e: BaseException, u: Update, loader: WeightLoader) -> WorkerSummary:
         """End a failed update the same way on every path; returns the summary.
