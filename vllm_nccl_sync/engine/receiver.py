@@ -431,11 +431,11 @@ class Receiver:
     def _verify(self, seal: Seal, sums: Callable[[], list[int | None]] | None,
                 u: Update) -> None:
         """Compare the sender's `Seal` with what arrived (`sums`: the update's checksums as
-        `ReceivePlane.reading` queued them; None: read them now): bucket count and every
-        checksum."""
+        `ReceivePlane.reading` queued them, None only once the update failed): bucket count and
+        every checksum."""
         if u.failed is None:
-            got = sums() if sums is not None else self.plane.values(u.sums)
-            u.failed = seal_problem(self.rank, u.version, seal, got, self.require_checksums)
+            assert sums is not None, "the checksums were not queued for a live update"
+            u.failed = seal_problem(self.rank, u.version, seal, sums(), self.require_checksums)
 
     def _failed(self, e: BaseException, u: Update, loader: WeightLoader) -> WorkerSummary:
         """End a failed update the same way on every path; returns the summary.
