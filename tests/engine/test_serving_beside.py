@@ -242,6 +242,8 @@ def test_carry_swaps_with_tokens_streaming_and_no_request_lost(engine):
     assert [(x["version"], x["label"]) for x in result.live] == [(6, "6")]
     assert [s["ok"] for s in seen.answers] == [True, True], seen.answers
     assert all(s["carry"]["dropped"] for s in seen.answers)  # taken by the engine core
+    # in the swap's turn, once every worker's loads were queued (not after the swap's end)
+    assert all(s["carry"]["started"] >= s["beside"]["marks"]["loaded"] for s in seen.answers)
     stream.moved(3, "tokens after the swap")
     assert set(stream.stop()) <= {"length"}
     assert greedy(llm, loop, "after-6") == hf_greedy(model, PROMPTS, MAX_TOKENS)

@@ -188,3 +188,39 @@ def test_a_streamed_update_lands_whole_through_the_shadow(engine):
     e, sync = engine
     sync.update(((n, t) for n, t in tensors(4).items()), 4, beside=True)
     assert same(e.held(), tensors(4)) and e.session.report()["version"] == 4
+
+
+class OpeningEngine(LocalEngine):
+    """Swaps as vLLM's patched engine core does for a carry: the swap begun (`open_swap`), the
+    turn's own work (here: what the worker had reached), then the swap's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[tuple[set[str], dict[str, torch.Tensor]]] = []
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        if method == "nccl_sync_swap":
+            self.session.open_swap(TIMEOUT)
+            beside = self.session._beside
+            self.opened.append((set(beside.marks) if beside else set(), self.held()))
+        return super().call(method, *args, timeout=timeout)
+
+
+def test_an_opened_swap_returns_with_its_loads_queued_and_its_end_still_waited_for():
+    e = OpeningEngine()
+    with driven(e, TIMEOUT) as sync:
+        result = sync.update(tensors(1), 1, beside=True, pause_mode="keep")
+        assert result.version == 1
+        [(marks, held)] = e.opened
+        # Open returned once the loads were queued (on the CPU: done), not before
+        assert {"swap", "begun", "copied", "loaded"} <= marks and same(held, tensors(1))
+        assert same(e.held(), tensors(1)) and e.session.report()["version"] == 1
+        # A swap whose loads fail (a shape the model does not have: found by the loader, in
+        # the swap): open returns at the receive's end instead, which reports the failure
+        e.opened.clear()
+        bad = dict(tensors(2), **{"norm.weight": torch.randn(34)})
+        with pytest.raises(PushError, match="norm.weight"):
+            sync.update(bad, 2, beside=True, pause_mode="keep")
+        [(marks, _)] = e.opened
+        assert {"swap", "begun", "end"} <= marks and "loaded" not in marks, marks
+        assert not e.session.report()["consistent"]  # the swap had begun writing

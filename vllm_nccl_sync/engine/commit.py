@@ -94,6 +94,8 @@ class CommitRound:
                 u.mark("copied")  # the copies queued; next, the post-load rule
                 loader.finish()
             u.mark("loaded")  # the loaders and the post-load rule returned
+            if u.beside is not None:  # the engine may go on with its turn while they copy
+                u.beside.queued()
             self.plane.settle(self.timeout_s)
             if u.beside is not None:
                 u.beside.shadow.settle()

@@ -179,6 +179,13 @@ class EngineSession:
         return WorkerSummary(ok=True, rank=receiver.rank, version=self.state.version,
                              consistent=self.state.consistent, extra={"beside": "receiving"})
 
+    def open_swap(self, timeout_s: float) -> None:
+        """Let the swap of the update received beside serving begin, and return once its loads
+        are queued (or it ended; at most `timeout_s`): the engine's turn goes on while the
+        device copies, then `swap` waits for the end. Nothing if no update is received."""
+        if self._beside is not None:
+            self._beside.open(timeout_s)
+
     def swap(self, timeout_s: float) -> WorkerSummary:
         """Load the update received beside serving (call with generation paused); waits for it
         to be verified everywhere (at most the receive's own bounds) and committed, or to fail.

@@ -180,6 +180,8 @@ class BesideReceive:
         self._go = threading.Event()
         self._cancelled = False
         self._done = threading.Event()
+        self._queued = threading.Event()
+        """The swap's loads were queued (the device may still copy), or the receive ended."""
         self.summary: WorkerSummary | None = None
         self.marks: dict[str, float] = {"start": time.perf_counter()}
         """When each step of the receive was reached (`perf_counter`), reported with the
@@ -216,6 +218,7 @@ class BesideReceive:
             self.summary.extra["beside"] = {"marks": self.marks, "gc": self._gcs}
             self.stage = "done"
             self._done.set()
+            self._queued.set()
 
     def gate(self, version: int) -> None:
         """Called by the receive once the update verified everywhere: wait for `swap`."""
@@ -233,11 +236,27 @@ class BesideReceive:
     def running(self) -> bool:
         return not self._done.is_set()
 
+    def queued(self) -> None:
+        """Called by the swap once its loads are queued and the post-load rule returned."""
+        self._queued.set()
+
+    def _open_gate(self) -> None:
+        if not self._go.is_set():
+            self.shadow.quiesce()
+            self._go.set()
+
+    def open(self, timeout_s: float) -> bool:
+        """Open the gate and wait (at most `timeout_s`) until the swap's loads are queued or
+        the receive ended; whether one of them happened. Called by the engine between two
+        steps, which may do its own work of that turn while the device copies; `swap` then
+        waits for the end."""
+        self._open_gate()
+        return self._queued.wait(timeout_s)
+
     def swap(self, timeout_s: float) -> WorkerSummary:
-        """Open the gate and wait (at most `timeout_s`) for the update's end; its summary.
-        Called by the engine between two steps (an RPC), on the engine's thread."""
-        self.shadow.quiesce()
-        self._go.set()
+        """Open the gate (unless `open` did) and wait (at most `timeout_s`) for the update's
+        end; its summary. Called by the engine between two steps (an RPC), on its thread."""
+        self._open_gate()
         if not self._done.wait(timeout_s):
             return WorkerSummary(ok=False, rank=-1, error=(
                 f"the receive beside serving did not end within {timeout_s:.0f} s of the swap "

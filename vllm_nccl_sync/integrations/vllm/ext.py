@@ -51,12 +51,16 @@ class Ext:
     def nccl_sync_swap(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Load the update received beside serving, in place (call with generation paused:
         waits until it is verified everywhere). Returns this worker's summary of the update."""
-        from vllm_nccl_sync.trainer.beside import engine_call_s
-
         session = self._nccl_sync_session()
-        bound = timeout_s if timeout_s is not None else (
-            engine_call_s(session.receiver.cfg.timeout_s) if session.receiver is not None else 0.0)
-        return session.swap(bound).to_dict()
+        return session.swap(_swap_bound(session, timeout_s)).to_dict()
+
+    def nccl_sync_swap_open(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The first half of a carry swap, called by vLLM's engine core (`patches.swap_turn`):
+        the swap begins, and this returns once its loads are queued, so the core drops its
+        prefix cache while the device copies; `nccl_sync_swap` then waits for the end."""
+        session = self._nccl_sync_session()
+        session.open_swap(_swap_bound(session, timeout_s))
+        return {}
 
     def nccl_sync_swap_carry(self, timeout_s: float | None = None) -> dict[str, Any]:
         """`nccl_sync_swap` with running requests kept in flight: vLLM's engine core takes this
@@ -102,3 +106,12 @@ class Ext:
         """Leave the transfer group."""
         if self._nccl_sync is not None:
             self._nccl_sync.close()
+
+
+def _swap_bound(session: Any, timeout_s: float | None) -> float:
+    """A swap's wait: `timeout_s`, else the engine-call bound of the session's timeout."""
+    from vllm_nccl_sync.trainer.beside import engine_call_s
+
+    if timeout_s is not None:
+        return timeout_s
+    return engine_call_s(session.receiver.cfg.timeout_s) if session.receiver is not None else 0.0
