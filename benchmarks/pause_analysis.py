@@ -116,6 +116,8 @@ def analyse(u: dict, ev: dict[str, dict], tokens: list[tuple[float, int]], clien
         seen = side[0].get("beside") if isinstance(side[0], dict) else None
         if beside and seen:  # the worker's steps and garbage collections, from the gap's start
             out["worker_marks_from_gap_s"] = {k: round(v - a, 4) for k, v in seen["marks"].items()}
+            if "started" in (side[0].get("carry") or {}):  # the engine core's prefix-cache drop
+                out["worker_marks_from_gap_s"]["drop"] = round(side[0]["carry"]["started"] - a, 4)
             out["worker_gcs_near_gap"] = [[round(t - a, 4), round(d, 4), gen]
                                           for t, d, gen in seen["gc"]
                                           if a - 0.05 < t < a + g and d > 0.005]
