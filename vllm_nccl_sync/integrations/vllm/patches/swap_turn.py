@@ -22,9 +22,10 @@ So a request that was running at the swap keeps its KV and continues on the new 
 tokens come from two versions), and every request scheduled after the swap computes or finds
 only KV of the new weights. The drop no longer waits for the swap's end (1-3 ms of vLLM's own
 work, measured in the gap that holds the swap on one H100 and one H200); it runs whatever the
-swap's outcome, as it did after it: a swap that fails costs the cache. Without this patch (another vLLM version, or the plugin not loaded in
-the engine-core process) the worker answers that RPC itself, refusing without loading
-(`CARRY_UNSUPPORTED`), and the trainer swaps that engine under a `keep` pause instead.
+swap's outcome, as it did after it: a swap that fails costs the cache. Without this patch
+(another vLLM version, or the plugin not loaded in the engine-core process) the worker answers
+that RPC itself, refusing without loading (`CARRY_UNSUPPORTED`), and the trainer swaps that
+engine under a `keep` pause instead.
 
 The label: vLLM stamps every step's outputs with the engine core's weight version
 (`EngineCore._attach_weight_version`), and the output processor turns those stamps into each
