@@ -139,3 +139,10 @@ def test_check_takes_what_build_takes_without_picking_ports():
     SyncConfig.check(world_size=2, host="10.0.0.1")  # not this host's: no port is bound
     SyncConfig.check(world_size=3, control_port=1, senders=[["127.0.0.1", 2]])
     assert SyncConfig.check(world_size=2, group_port=1) is None
+
+
+def test_free_port_never_gives_a_port_it_gave_lately():
+    from vllm_nccl_sync.trainer.sync import free_port
+
+    ports = [free_port() for _ in range(200)]  # the OS may hand a just-closed port out again
+    assert len(set(ports)) == len(ports)

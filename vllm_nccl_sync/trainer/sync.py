@@ -8,6 +8,7 @@ raised (same type, `errors`, `missing` and cause), carrying the workers' own rep
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -39,9 +40,17 @@ PAUSE_MODES = ("abort", "wait", "keep", "carry")
 recomputed on the new weights) or carried (beside serving only: never paused, their KV kept)."""
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=256)
+"""The ports `free_port` gave this process last."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now."""
-    return free_ports(host, 1)[0]
+    """A TCP port free on `host` right now, none of the last 256 this process was given: two
+    calls in a row never give the same port (the OS may hand a just-closed one out again, and a
+    config's control and group ports must differ)."""
+    port = free_ports(host, 1, frozenset(_GIVEN))[0]
+    _GIVEN.append(port)
+    return port
 
 
 class EngineHandle(Protocol):
