@@ -291,6 +291,37 @@ def test_the_same_bucket_into_the_same_buffer_is_unpacked_into_the_same_views():
     assert chunk_views == {}
 
 
+def test_a_bucket_read_again_from_the_same_parts_is_unpacked_into_the_same_views():
+    """Given `views`, a bucket read where its slots lie, from the same mapped parts again, gives
+    the same views (holding the parts' new bytes); other parts are unpacked anew; and
+    `forget_in_place` drops such buckets' views (they hold the sender's memory mapped) while
+    keeping those of a receive buffer."""
+    from vllm_nccl_sync.wire.packing import as_bytes, forget_in_place
+
+    a = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.ones(5, dtype=torch.bfloat16)}
+    [bucket] = plan_buckets(a.items(), 1024)
+    h = bucket.header(1, 0, True, PROTOCOL_VERSION)
+    parts = [as_bytes(t).clone() for t in a.values()]
+    views: dict = {}
+    first = Reassembler(views=views).unpack(h, parts)
+    b = {"x": a["x"] + 10, "y": a["y"] * 2}
+    for part, t in zip(parts, b.values(), strict=True):
+        part.copy_(as_bytes(t))
+    again = Reassembler(views=views).unpack(h, parts)
+    assert len(again) == 2 and all(x is y for (_, x), (_, y) in zip(again, first))
+    assert all(torch.equal(t, b[n]) for n, t in again)
+    moved = [p.clone() for p in parts]
+    other = Reassembler(views=views).unpack(h, moved)
+    assert all(x is not y for (_, x), (_, y) in zip(other, first))
+    assert all(torch.equal(t, b[n]) for n, t in other)
+    buf = torch.empty(1024, dtype=torch.uint8)
+    pack(bucket, buf)
+    h1 = bucket.header(1, 1, True, PROTOCOL_VERSION)
+    Reassembler(views=views).unpack(h1, buf)
+    forget_in_place(views)
+    assert list(views) == [1]
+
+
 def test_a_bucket_packed_again_into_the_same_buffer_reuses_its_views_and_is_exact():
     """Given `views`, a bucket of whole tensors packed again into the same buffer is copied
     through the views it got the first time (in one call), and its bytes are the new tensors';

@@ -37,7 +37,14 @@ from vllm_nccl_sync.outcomes import Kind, Problem, UpdateFailed, WorkerSummary, 
 from vllm_nccl_sync.planes.registry import open_transport
 from vllm_nccl_sync.wire.channel import ReceiverChannel
 from vllm_nccl_sync.wire.config import SyncConfig
-from vllm_nccl_sync.wire.packing import DTYPES, Blocks, Reassembler, align_up, tensor_nbytes
+from vllm_nccl_sync.wire.packing import (
+    DTYPES,
+    Blocks,
+    Reassembler,
+    align_up,
+    forget_in_place,
+    tensor_nbytes,
+)
 from vllm_nccl_sync.wire.protocol import (
     PROTOCOL_VERSION,
     AdapterSpec,
@@ -228,6 +235,8 @@ class Receiver:
                    or self.plane.mapping_problem(plan.buckets, self.rank, plan=True))
         if problem:
             self._refuse(u, problem)
+        if not u.repeated:  # a repeat maps what the last plan mapped; another may not
+            forget_in_place(self._views)
         self._layout = u.layout
         self.inbox.send(Ready(PROTOCOL_VERSION, self.rank, u.accepted, plan.version))
 

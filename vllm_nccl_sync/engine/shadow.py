@@ -245,13 +245,13 @@ class BesideReceive:
             self.shadow.quiesce()
             self._go.set()
 
-    def open(self, timeout_s: float) -> bool:
+    def open(self, timeout_s: float) -> None:
         """Open the gate and wait (at most `timeout_s`) until the swap's loads are queued or
-        the receive ended; whether one of them happened. Called by the engine between two
-        steps, which may do its own work of that turn while the device copies; `swap` then
-        waits for the end."""
+        the receive ended. Called by the engine between two steps, which may do its own work
+        of that turn while the device copies; `swap` then waits for the end (and reports a
+        receive that never got that far)."""
         self._open_gate()
-        return self._queued.wait(timeout_s)
+        self._queued.wait(timeout_s)
 
     def swap(self, timeout_s: float) -> WorkerSummary:
         """Open the gate (unless `open` did) and wait (at most `timeout_s`) for the update's

@@ -485,6 +485,18 @@ def wholes(staged: list[tuple[str, torch.Tensor | Blocks]],
         yield batch
 
 
+def forget_in_place(views: dict[int, tuple]) -> None:
+    """Drop from `views` (`Reassembler`'s) the buckets read where they lie: their views hold
+    the sender's memory mapped, which a new plan may no longer name."""
+    for seq in [seq for seq, kept in views.items() if kept[3]]:
+        del views[seq]
+
+
+def _where(buf: torch.Tensor | list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Where a bucket's bytes lie: the buffer's, or each slot's (address, bytes)."""
+    return tuple((p.data_ptr(), p.numel()) for p in (buf if isinstance(buf, list) else [buf]))
+
+
 class Reassembler:
     """Turns received buckets back into whole named tensors (views of the buffer when possible).
 
@@ -509,8 +521,9 @@ class Reassembler:
         """Given: blocks are kept compact (a copy of each, by it), handed on as `Blocks`."""
         self._views = views
         """Given (kept by the caller from update to update): per bucket seq, the tensors a
-        bucket of whole tensors was unpacked into, with its buffer and slots; the same bucket
-        into the same buffer again is unpacked into the same views, not made again."""
+        bucket of whole tensors was unpacked into, with where its bytes lay and its slots; the
+        same bucket from the same bytes again (the same buffer, or the same mapped parts of a
+        bucket read where it lies) is unpacked into the same views, not made again."""
         self._written: dict[str, tuple[torch.Tensor | Blocks, int]] = {}
         """Tensors whose blocks are arriving: the tensor (or its `Blocks`), and the elements
         written so far."""
@@ -548,10 +561,10 @@ class Reassembler:
                buf: torch.Tensor | list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The tensors completed by this bucket, as `(name, tensor)`; views of `buf` if whole.
         `buf`: the bucket's bytes, or one flat tensor per slot (a bucket read where it lies)."""
+        where = _where(buf) if self._views is not None else None
         kept = self._views.get(header.seq) if self._views is not None else None
-        if kept is not None and not isinstance(buf, list) and kept[0] == buf.data_ptr() \
-                and kept[1] == header.slots and not (self._partial or self._direct
-                                                     or self._written):
+        if kept is not None and kept[0] == where and kept[1] == header.slots \
+                and not (self._partial or self._direct or self._written):
             return list(kept[2])
         out: list[tuple[str, torch.Tensor]] = []
         for i, s in enumerate(header.slots):
@@ -565,10 +578,10 @@ class Reassembler:
                 raise ValueError(f"tensor {s.name!r}: a chunk of rows that is not whole rows")
             elif (staged := self._chunk(s, data)) is not None:
                 self._whole(s, staged, out)
-        if self._views is not None and not isinstance(buf, list) and all(
+        if self._views is not None and all(
                 s.blocks is None and s.start == 0 and s.nbytes == slot_total(s)
                 for s in header.slots):
-            self._views[header.seq] = (buf.data_ptr(), header.slots, list(out))
+            self._views[header.seq] = (where, header.slots, list(out), isinstance(buf, list))
         return out
 
     def _whole(self, s: Slot, data: torch.Tensor, out: list[tuple[str, torch.Tensor]]) -> None:
