@@ -1,7 +1,7 @@
 """The fixed cost of an update: a push of 171 tiny tensors (a Qwen2-7B-shaped state dict, 14
 layers, bf16, every tensor at most a few KB: 349 KB), repeated with the same layout, from a trainer
 process to a receiver process that copies them into tensors of its own (`ModuleLoader`), over
-`shm` and over gloo, alternating. The bytes cost nothing here: what is left is the host time of
+`shm` (packed, and read where it lies in shared memory) and over gloo, alternating. The bytes cost nothing here: what is left is the host time of
 the plan, its checks, the rounds and the per-tensor loads, on both sides.
 
 Per plane it prints the median over the pushes after a warm-up of: the trainer's push (wall),
@@ -28,7 +28,9 @@ from tests.procs import run_procs  # noqa: E402
 from vllm_nccl_sync.bench import _Params, join_receivers, write_report  # noqa: E402
 from vllm_nccl_sync.trainer.sync import free_port  # noqa: E402
 
-PLANES = ("shm", "gloo")
+PLANES = {"shm": "shm", "gloo": "gloo", "shm_in_place": "shm"}
+"""Per mode, its plane; `shm_in_place`: the trainer's tensors in shared memory, read where they
+lie (no bucket is packed)."""
 
 
 def tiny_qwen2(seed: int) -> dict[str, torch.Tensor]:
@@ -48,8 +50,8 @@ def tiny_qwen2(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in out.items()}
 
 
-def _cfg(backend: str) -> dict:
-    return dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=backend,
+def _cfg(mode: str) -> dict:
+    return dict(control_port=free_port(), group_port=free_port(), world_size=2, backend=PLANES[mode],
                 bucket_bytes=4 << 20, timeout_s=120.0)
 
 
@@ -58,6 +60,7 @@ def trainer(cfgs: dict[str, dict], reps: int) -> dict:
 
     torch.set_num_threads(1)
     named = tiny_qwen2(1)
+    shared = {n: t.clone().share_memory_() for n, t in named.items()}
     clients = {}
     for name, cfg in cfgs.items():
         clients[name] = PushClient(SyncConfig(**cfg))
@@ -66,7 +69,7 @@ def trainer(cfgs: dict[str, dict], reps: int) -> dict:
     for rep in range(reps + 1):
         for name, client in clients.items():
             t0 = time.perf_counter()
-            client.push(named, version=rep + 1)
+            client.push(shared if name == "shm_in_place" else named, version=rep + 1)
             times[name].append(time.perf_counter() - t0)
     for client in clients.values():
         client.close()
@@ -115,7 +118,7 @@ def main() -> None:
             "steps_ms": steps}
         r = report["planes"][name]
         shown = ", ".join(f"{k} {v:.2f}" for k, v in steps.items())
-        print(f"{name:5s} push {r['push_ms']:6.2f} ms  receiver {r['receiver_ms']:6.2f} ms  "
+        print(f"{name:12s} push {r['push_ms']:6.2f} ms  receiver {r['receiver_ms']:6.2f} ms  "
               f"plans {'/'.join(r['plans'])}  steps (ms, median): {shown}")
     print(f"{report['tensors']} tensors, {report['bytes']} bytes; bit-exact: {report['bit_exact']}")
     write_report(report, args.json, all(report["bit_exact"].values()))

@@ -154,28 +154,36 @@ def test_gathered_gpu_checksums_equal_the_cpu_ones_misaligned_parts_included() -
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_a_host_copy_sums_exactly_the_bytes_it_writes(native: bool, monkeypatch) -> None:
-    """`copy_summed_host`, native or by torch, copies every byte (many rows, a short run, a tail
-    of words and loose bytes; a destination 16-byte aligned, whose stores stream, and one only
-    8-byte aligned) and gives the terms of what it wrote: the same checksum as summing the copy.
-    The bytes around the destination are left alone."""
+    """`copies_summed_host`, native or by torch, copies every byte of every pair in one call
+    (many rows, a short run, a tail of words and loose bytes; a destination 16-byte aligned,
+    whose stores stream, and one only 8-byte aligned) and gives the terms of what it wrote: the
+    same checksum as summing the copy. The bytes around each destination are left alone; pairs
+    of different sizes are refused before anything is copied."""
     from vllm_nccl_sync.wire import integrity
-    from vllm_nccl_sync.wire.integrity import copy_summed_host
+    from vllm_nccl_sync.wire.integrity import copies_summed_host
 
-    if native and integrity._copy_rows is None:
+    if native and integrity._copy_many is None:
         pytest.skip("the native summing copy was not built here")
     if not native:
-        monkeypatch.setattr(integrity, "_copy_rows", None)
-    for n in (N, 600 * 4096 + 8 * 7 + 5, 16, 3):
+        monkeypatch.setattr(integrity, "_copy_many", None)
+    pairs, rooms = [], []
+    for n in (N, 600 * 4096 + 8 * 7 + 5, 16, 3, 0):
         for shift in (0, 8):
             src = torch.randint(0, 256, (n,), dtype=torch.uint8)
             room = torch.zeros(n + 32, dtype=torch.uint8)
             start = (-room.data_ptr()) % 16 + shift
-            dst = room[start : start + n]
-            terms = copy_summed_host(dst, src)
-            assert torch.equal(dst, src), (n, shift)
-            assert not room[:start].any() and not room[start + n :].any(), (n, shift)
-            parts = [torch.randint(0, 256, (4096,), dtype=torch.uint8), src]
-            assert checksum_parts(parts, [None, terms]) == checksum_parts(parts), (n, shift)
+            pairs.append((room[start : start + n], src))
+            rooms.append((room, start, n))
+    got = copies_summed_host(pairs)
+    for (dst, src), (room, start, n), terms in zip(pairs, rooms, got, strict=True):
+        assert torch.equal(dst, src), (n, start)
+        assert not room[:start].any() and not room[start + n :].any(), (n, start)
+        parts = [torch.randint(0, 256, (4096,), dtype=torch.uint8), src]
+        assert checksum_parts(parts, [None, terms]) == checksum_parts(parts), (n, start)
+    dst = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="different sizes"):
+        copies_summed_host([(dst, torch.ones(16, dtype=torch.uint8))])
+    assert not dst.any()
 
 
 def test_the_native_summing_copy_is_built_where_a_compiler_is() -> None:
@@ -191,11 +199,13 @@ def test_the_native_summing_copy_is_built_where_a_compiler_is() -> None:
     headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
     if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(headers):
         pytest.skip("no C compiler here")
-    assert integrity._copy_rows is not None, "setup.py did not build vllm_nccl_sync.wire._copysum"
+    assert integrity._copy_many is not None, "setup.py did not build vllm_nccl_sync.wire._copysum"
     buf = torch.zeros(2 * 4096 + 16, dtype=torch.uint8)
-    out = torch.zeros(1, dtype=torch.int64)
+    out = torch.zeros(3, dtype=torch.int64)
+    table = torch.tensor([buf.data_ptr() + 1, buf.data_ptr() + 4096, 4096])
     with pytest.raises(ValueError, match="aligned"):
-        integrity._copy_rows(buf.data_ptr() + 1, buf.data_ptr() + 4096, 1, out.data_ptr())
+        integrity._copy_many(table.data_ptr(), 1, out.data_ptr())
+    assert not buf.any()
 
 
 def test_a_tapped_module_load_sums_what_it_copies_and_only_what_the_tap_wants() -> None:

@@ -1,8 +1,9 @@
-/* The host's summing copy in one pass: rows of 512 64-bit words (4 KiB) copied from `src` to
- * `dst`, each row's words summed (wrap-around) from the registers that were written, so the sums
- * are of exactly the bytes written and the memory is crossed once. Stores bypass the cache where
- * `dst` is 16-byte aligned (SSE2 streaming stores), as a large memcpy's do. The GIL is released
- * while it runs. Called by `integrity.copy_summed_host`, which checks the tensors first. */
+/* The host's summing copy in one pass, for many pairs in one call: rows of 512 64-bit words
+ * (4 KiB) copied from `src` to `dst`, each row's words summed (wrap-around) from the registers
+ * that were written, so the sums are of exactly the bytes written and the memory is crossed once;
+ * the tail of words and loose bytes summed as they are copied. Stores bypass the cache where `dst`
+ * is 16-byte aligned (SSE2 streaming stores), as a large memcpy's do. The GIL is released while
+ * it runs. Called by `integrity.copies_summed_host`, which checks the tensors first. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -46,34 +47,66 @@ static uint64_t copy_row(uint64_t *dst, const uint64_t *src, int stream) {
 #endif
 }
 
-static PyObject *copy_rows(PyObject *self, PyObject *args) {
-    unsigned long long dst, src, out;
-    Py_ssize_t rows;
+/* One pair: `nbytes` from src to dst, its three weighted sums (`integrity._terms`' formula) into
+ * out[0..2]: the rows' sums weighted 1, 3, 5, ...; the tail's words weighted likewise; the
+ * loose bytes likewise. */
+static void copy_one(uint64_t *dst, const uint64_t *src, uint64_t nbytes, int64_t *out) {
+    uint64_t rows = nbytes / (8 * ROW_WORDS), words = nbytes / 8 - rows * ROW_WORDS;
+    int stream = (uintptr_t)dst % 16 == 0;
+    uint64_t acc = 0;
+    for (uint64_t r = 0; r < rows; r++)
+        acc += copy_row(dst + r * ROW_WORDS, src + r * ROW_WORDS, stream) * (2 * r + 1);
+    out[0] = (int64_t)acc;
+    acc = 0;
+    for (uint64_t j = 0; j < words; j++) {
+        uint64_t v = src[rows * ROW_WORDS + j];
+        dst[rows * ROW_WORDS + j] = v;
+        acc += v * (2 * j + 1);
+    }
+    out[1] = (int64_t)acc;
+    const uint8_t *sb = (const uint8_t *)(src + rows * ROW_WORDS + words);
+    uint8_t *db = (uint8_t *)(dst + rows * ROW_WORDS + words);
+    acc = 0;
+    for (uint64_t k = 0; k < nbytes % 8; k++) {
+        db[k] = sb[k];
+        acc += (uint64_t)sb[k] * (2 * k + 1);
+    }
+    out[2] = (int64_t)acc;
+}
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    unsigned long long table, out;
+    Py_ssize_t n;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKnK", &dst, &src, &rows, &out))
+    if (!PyArg_ParseTuple(args, "KnK", &table, &n, &out))
         return NULL;
-    if (rows < 0 || (dst | src | out) % 8) {
-        PyErr_SetString(PyExc_ValueError, "copy_rows: rows < 0 or an address not 8-byte aligned");
+    const int64_t *t = (const int64_t *)(uintptr_t)table;
+    if (n < 0 || (table | out) % 8) {
+        PyErr_SetString(PyExc_ValueError, "copy_many: n < 0 or a table not 8-byte aligned");
         return NULL;
     }
-    int stream = dst % 16 == 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (t[3 * i + 2] < 0 || (t[3 * i] | t[3 * i + 1]) % 8) {
+            PyErr_Format(PyExc_ValueError, "copy_many: pair %zd has a negative size or an "
+                         "address not 8-byte aligned", i);
+            return NULL;
+        }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < rows; r++)
-        ((uint64_t *)(uintptr_t)out)[r] = copy_row((uint64_t *)(uintptr_t)dst + r * ROW_WORDS,
-                                                  (const uint64_t *)(uintptr_t)src + r * ROW_WORDS,
-                                                  stream);
+    for (Py_ssize_t i = 0; i < n; i++)
+        copy_one((uint64_t *)(uintptr_t)t[3 * i], (const uint64_t *)(uintptr_t)t[3 * i + 1],
+                 (uint64_t)t[3 * i + 2], (int64_t *)(uintptr_t)out + 3 * i);
 #if defined(__SSE2__)
-    if (stream)
-        _mm_sfence();
+    _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst, src, rows, out): copy `rows` rows of 4 KiB from address src to dst, writing "
-     "each row's wrap-around sum of 64-bit words to the int64 at out + 8 * row."},
+    {"copy_many", copy_many, METH_VARARGS,
+     "copy_many(table, n, out): for each of n pairs (int64 dst, src, nbytes at table + 24 * i; "
+     "addresses 8-byte aligned) copy nbytes from src to dst, writing the three weighted sums of "
+     "`integrity._terms` (rows, tail words, loose bytes) to the int64s at out + 24 * i."},
     {NULL, NULL, 0, NULL},
 };
 

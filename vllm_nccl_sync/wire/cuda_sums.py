@@ -41,7 +41,7 @@ class Row(NamedTuple):
     index: int
 
 
-Terms = list[tuple[torch.Tensor | Row, int]]
+Terms = list[tuple[torch.Tensor | Row | int, int]]
 _COLS = 512  # 64-bit words per row, as `integrity`
 _ROW_BYTES = 8 * _COLS
 _ROWS = 64  # rows of one block (one program)

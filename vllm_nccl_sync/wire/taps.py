@@ -4,7 +4,7 @@ A receiver asks for that through a `Tap` set in `tapping` while its loads run; w
 tensor the tap wants whole may sum it on the way (`copy_tapped`, `copies_tapped`) and hand the
 terms over, so that the sender's bytes are read once for both the load and the checksum, and the
 checksum is of exactly the bytes written. On CUDA the copies are `cuda_sums`' kernel (one launch
-for many); on the host `integrity.copy_summed_host` (chunks summed while in cache).
+for many); on the host `integrity.copies_summed_host` (one native call for many).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from collections.abc import Sequence
 import torch
 
 from vllm_nccl_sync.wire.cuda_sums import Terms, accumulators, copy_summed_cuda, usable
-from vllm_nccl_sync.wire.integrity import copy_summed_host
+from vllm_nccl_sync.wire.integrity import copies_summed_host
 
 
 def copy_summed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Terms] | None:
-    """`dst.copy_(src)` for each pair of flat uint8 tensors of one size on one device (see
-    `fusable`), returning each source's `integrity` terms: its bytes are read once (CUDA: in one
-    launch; the host: `copy_summed_host`). None if the kernel failed before any copy (then the
-    caller copies)."""
+    """`dst.copy_(src)` for each pair of tensors of one size on one device (see `fusable`;
+    CUDA: flat uint8), returning each source's `integrity` terms: its bytes are read once (CUDA:
+    in one launch; the host: `copies_summed_host`, in one call). None if the kernel failed
+    before any copy (then the caller copies)."""
     if not pairs[0][1].is_cuda:
-        return [copy_summed_host(d, s) for d, s in pairs]
+        return copies_summed_host(pairs)
     return copy_summed_cuda(pairs)
 
 
@@ -54,8 +54,11 @@ def copies_tapped(pairs: list[tuple[torch.Tensor, torch.Tensor]]
     dsts = Counter(d.data_ptr() for d, _ in pairs)
     whole = [i for i, (d, s) in enumerate(pairs)
              if tap.wants(s) and fusable(d, s) and dsts[d.data_ptr()] == 1]
-    got = copy_summed([(pairs[i][0].reshape(-1).view(torch.uint8),
-                        pairs[i][1].reshape(-1).view(torch.uint8)) for i in whole]) if whole else None
+    chosen = [pairs[i] for i in whole]
+    if chosen and chosen[0][1].is_cuda:  # the kernel takes flat bytes
+        chosen = [(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
+                  for d, s in chosen]
+    got = copy_summed(chosen) if chosen else None
     if got is None:
         return pairs
     for i, terms in zip(whole, got, strict=True):
