@@ -86,7 +86,17 @@ def _parts(seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
 
 
-def test_a_gathered_bucket_of_one_part_has_that_parts_checksum_and_faults_change_it() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_gathered_bucket_of_one_part_has_that_parts_checksum_and_faults_change_it(
+        native: bool, monkeypatch) -> None:
+    """Host parts are summed in one native call where it was built (else by torch): either way a
+    part alone has its `checksum`, and every fault changes the bucket's."""
+    from vllm_nccl_sync.wire import integrity
+
+    if native and integrity._copy_many is None:
+        pytest.skip("the native summing copy was not built here")
+    if not native:
+        monkeypatch.setattr(integrity, "_copy_many", None)
     parts = _parts(6)
     assert checksum_parts(parts[1:2]) == checksum(parts[1])
     ref = checksum_parts(parts)

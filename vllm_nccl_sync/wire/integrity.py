@@ -137,11 +137,16 @@ def copies_summed_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
     if _copy_many is None:
         return [_copy_summed_torch(d.reshape(-1).view(torch.uint8),
                                    s.reshape(-1).view(torch.uint8)) for d, s in pairs]
-    table = torch.tensor([(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in pairs],
-                         dtype=torch.int64).reshape(-1, 3)
-    sums = torch.empty(len(pairs), 3, dtype=torch.int64)
-    _copy_many(table.data_ptr(), len(pairs), sums.data_ptr())
-    return [[(rows, 1), (words, 31), (loose, 1_000_003)] for rows, words, loose in sums.tolist()]
+    return _native([(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in pairs])
+
+
+def _native(table: list[tuple[int, int, int]]) -> list[list[tuple[Any, int]]]:
+    """The native call on rows (destination, source, bytes; a destination of 0: summed only):
+    each source's terms, as ints weighted as `_terms` weighs them."""
+    rows = torch.tensor(table, dtype=torch.int64).reshape(-1, 3)
+    sums = torch.empty(len(table), 3, dtype=torch.int64)
+    _copy_many(rows.data_ptr(), len(table), sums.data_ptr())
+    return [[(whole, 1), (words, 31), (loose, 1_000_003)] for whole, words, loose in sums.tolist()]
 
 
 def copy_summed_host(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[Any, int]]:
@@ -173,13 +178,19 @@ def _part_terms(parts: Sequence[torch.Tensor],
                 known: Sequence[Any] | None = None) -> list[tuple[torch.Tensor, int]]:
     """The terms of `checksum_parts`: part i's own, weighted by the odd 2i + 1. `known`: terms
     already computed per part (None where not: a copy that summed what it read). CUDA parts are
-    summed by one kernel per call where Triton is there (`cuda_sums`), the rest by torch."""
+    summed by one kernel per call where Triton is there (`cuda_sums`), host parts by one native
+    call where it was built, the rest by torch."""
     accs = list(known) if known is not None else [None] * len(parts)
     todo = [i for i, a in enumerate(accs) if a is None]
     if todo and parts[todo[0]].is_cuda:
         from vllm_nccl_sync.wire.cuda_sums import accumulators
 
         for i, acc in zip(todo, accumulators([parts[i] for i in todo]), strict=True):
+            accs[i] = acc
+    elif todo and _copy_many is not None:  # one native call for the aligned host parts
+        todo = [i for i in todo if parts[i].data_ptr() % 8 == 0]
+        got = _native([(0, parts[i].data_ptr(), parts[i].numel()) for i in todo]) if todo else []
+        for i, acc in zip(todo, got, strict=True):
             accs[i] = acc
     out = []
     for i, (part, acc) in enumerate(zip(parts, accs, strict=True)):
