@@ -2,7 +2,7 @@
 receiver process, which copies it into tensors of its own (`ModuleLoader`), in one run:
 
   memcpy     one host copy of a contiguous buffer of the payload's size (the floor)
-  summing_copy  the same copy through `integrity.copy_summed_host` (each 4 KiB row's words
+  summing_copy  the same copy through `integrity.copies_summed_host` (each 4 KiB row's words
              summed on the way, as a load read in place sums them: native where built)
   raw_gloo   one gloo broadcast of that buffer between the two processes
   push_gloo  `PushClient(backend="gloo")` -> `Receiver` (checksums, commit round: everything)
@@ -47,8 +47,8 @@ def _summing_copy(native: bool) -> None:
 
     torch.set_num_threads(1)
     if not native:
-        integrity._copy_rows = None
-    elif integrity._copy_rows is None:
+        integrity._copy_many = None
+    elif integrity._copy_many is None:
         raise SystemExit("the native summing copy was not built here: pip install -e . with a C "
                          "compiler, or pass --torch-copy")
 

@@ -18,13 +18,16 @@ static uint64_t copy_row(uint64_t *dst, const uint64_t *src, int stream) {
 #if defined(__SSE2__)
     if (!dst) {  /* sum only */
         const __m128i *s = (const __m128i *)src;
-        __m128i a0 = _mm_setzero_si128(), a1 = a0;
-        for (int j = 0; j < ROW_WORDS / 2; j += 2) {
+        __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < ROW_WORDS / 2; j += 4) {
             a0 = _mm_add_epi64(a0, _mm_loadu_si128(s + j));
             a1 = _mm_add_epi64(a1, _mm_loadu_si128(s + j + 1));
+            a2 = _mm_add_epi64(a2, _mm_loadu_si128(s + j + 2));
+            a3 = _mm_add_epi64(a3, _mm_loadu_si128(s + j + 3));
         }
         uint64_t lanes[2];
-        _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(a0, a1));
+        _mm_storeu_si128((__m128i *)lanes,
+                         _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3)));
         return lanes[0] + lanes[1];
     }
     const __m128i *s = (const __m128i *)src;
