@@ -250,13 +250,14 @@ def test_gloo_floor_smoke(tmp_path):
 
 @pytest.mark.multiproc
 def test_fixed_cost_smoke(tmp_path):
-    """The fixed-cost script: both planes pushed, the receiver's steps reported, bit-exact."""
+    """The fixed-cost script: both planes pushed (shm packed and read in place), the receiver's
+    steps reported, bit-exact."""
     path = tmp_path / "fixed.json"
     out = run_script(["benchmarks/fixed_cost.py", "--reps", "2", "--json", str(path)],
                      deadline_s=300)
-    assert "bit-exact: {'shm': True, 'gloo': True}" in out, out[-3000:]
+    assert "bit-exact: {'shm': True, 'gloo': True, 'shm_in_place': True}" in out, out[-3000:]
     r = json.loads(path.read_text())
-    assert r["tensors"] == 171 and set(r["planes"]) == {"shm", "gloo"}
+    assert r["tensors"] == 171 and set(r["planes"]) == {"shm", "gloo", "shm_in_place"}
     for plane in r["planes"].values():
         assert plane["receiver_ms"] > 0 and {"ready", "bucket", "kept"} <= set(plane["steps_ms"])
 

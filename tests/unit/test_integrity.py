@@ -100,6 +100,7 @@ def test_a_gathered_bucket_of_one_part_has_that_parts_checksum_and_faults_change
     parts = _parts(6)
     assert checksum_parts(parts[1:2]) == checksum(parts[1])
     ref = checksum_parts(parts)
+    assert read_back([checksum_parts_gpu(parts)]) == [ref]  # queued: the native sums are ints
     assert 0 < ref < 2**63 and ref % 2 == 1
     bad = {"two parts swapped": [parts[1], parts[0], *parts[2:]],
            "a part missing": parts[:-1],

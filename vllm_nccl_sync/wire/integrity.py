@@ -93,18 +93,21 @@ def reading(sums: Sequence[Any]) -> Callable[[], list[Any]]:
     n = 0
     for p in pending:
         for t, _ in p.terms:
+            if isinstance(t, int):  # known already (a host part's native sums)
+                continue
             base = t if isinstance(t, torch.Tensor) else t.sums
             if id(base) not in start:
                 start[id(base)], n = n, n + base.numel()
                 read.append(base)
     gathered = torch.cat([r.reshape(-1) for r in read]) if read else None  # None: no terms
+    known = [sum(t * f for t, f in p.terms if isinstance(t, int)) for p in pending]
     at = [[(start[id(t)] if isinstance(t, torch.Tensor) else start[id(t.sums)] + t.index, f)
-           for t, f in p.terms] for p in pending]
+           for t, f in p.terms if not isinstance(t, int)] for p in pending]
 
     def values() -> list[Any]:
         flat = gathered.tolist() if gathered is not None else []
-        done = iter([_finish(sum(flat[i] * f for i, f in terms), p.nbytes)
-                     for terms, p in zip(at, pending, strict=True)])
+        done = iter([_finish(k + sum(flat[i] * f for i, f in terms), p.nbytes)
+                     for k, terms, p in zip(known, at, pending, strict=True)])
         return [next(done) if isinstance(s, Pending) else s for s in sums]
 
     return values
