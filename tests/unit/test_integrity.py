@@ -169,7 +169,7 @@ def test_a_host_copy_sums_exactly_the_bytes_it_writes(native: bool, monkeypatch)
     (many rows, a short run, a tail of words and loose bytes; a destination 16-byte aligned,
     whose stores stream, and one only 8-byte aligned) and gives the terms of what it wrote: the
     same checksum as summing the copy. The bytes around each destination are left alone; pairs
-    of different sizes are refused before anything is copied."""
+    of different sizes, or not contiguous, are refused before anything is copied."""
     from vllm_nccl_sync.wire import integrity
     from vllm_nccl_sync.wire.integrity import copies_summed_host
 
@@ -194,6 +194,8 @@ def test_a_host_copy_sums_exactly_the_bytes_it_writes(native: bool, monkeypatch)
     dst = torch.zeros(8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="different sizes"):
         copies_summed_host([(dst, torch.ones(16, dtype=torch.uint8))])
+    with pytest.raises(ValueError, match="not contiguous"):
+        copies_summed_host([(dst, torch.ones(16, dtype=torch.uint8)[::2])])
     assert not dst.any()
 
 

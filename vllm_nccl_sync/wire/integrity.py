@@ -141,8 +141,9 @@ def copies_summed_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
     bytes written, the memory crossed once: by the native copy where it was built (every pair in
     one call without the GIL, no Python per tensor; its terms are ints), else by torch, each
     2 MiB chunk summed right after it is written."""
-    if any(d.nbytes != s.nbytes for d, s in pairs):
-        raise ValueError("a summing copy between tensors of different sizes")
+    if any(d.nbytes != s.nbytes or not (d.is_contiguous() and s.is_contiguous())
+           for d, s in pairs):
+        raise ValueError("a summing copy between tensors of different sizes, or not contiguous")
     if _copy_many is None:
         return [_copy_summed_torch(d.reshape(-1).view(torch.uint8),
                                    s.reshape(-1).view(torch.uint8)) for d, s in pairs]
