@@ -40,6 +40,7 @@ from vllm_nccl_sync.wire.config import SyncConfig
 from vllm_nccl_sync.wire.packing import (
     DTYPES,
     Blocks,
+    KeptViews,
     Reassembler,
     align_up,
     forget_in_place,
@@ -106,7 +107,7 @@ class Receiver:
         self.adapters = adapters
         self.residency = residency
         self.reads = dict(reads.tensors) if reads is not None else None
-        self._views: dict[int, tuple] = {}  # buckets of whole tensors, unpacked (`Reassembler`)
+        self._views: dict[int, KeptViews] = {}  # buckets of whole tensors, unpacked (`Reassembler`)
         self._layout: Layout | None = None  # the last plan accepted (`update.Layout`)
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -485,10 +486,21 @@ def wholes(staged: list[tuple[str, torch.Tensor | Blocks]],
         yield batch
 
 
-def forget_in_place(views: dict[int, tuple]) -> None:
+class KeptViews(NamedTuple):
+    """A bucket of whole tensors as `Reassembler` unpacked it, kept for the same bucket again."""
+
+    where: tuple[tuple[int, int], ...]
+    """Where its bytes lay (`_where`)."""
+    slots: list[Slot]
+    tensors: list[tuple[str, torch.Tensor]]
+    in_place: bool
+    """Read where it lies (one flat tensor per slot, views of the sender's memory mapped)."""
+
+
+def forget_in_place(views: dict[int, KeptViews]) -> None:
     """Drop from `views` (`Reassembler`'s) the buckets read where they lie: their views hold
     the sender's memory mapped, which a new plan may no longer name."""
-    for seq in [seq for seq, kept in views.items() if kept[3]]:
+    for seq in [seq for seq, kept in views.items() if kept.in_place]:
         del views[seq]
 
 
@@ -512,7 +524,7 @@ class Reassembler:
     def __init__(self, load_rows: RowLoader | None = None,
                  reads: Mapping[str, Read] | None = None,
                  keep_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 views: dict[int, tuple] | None = None) -> None:
+                 views: dict[int, KeptViews] | None = None) -> None:
         self._partial: dict[str | tuple, tuple[Slot, torch.Tensor, int]] = {}
         self._load_rows = load_rows
         self._direct: dict[str, tuple[Slot, int]] = {}  # tensors loaded by rows: bytes so far
@@ -563,9 +575,9 @@ class Reassembler:
         `buf`: the bucket's bytes, or one flat tensor per slot (a bucket read where it lies)."""
         where = _where(buf) if self._views is not None else None
         kept = self._views.get(header.seq) if self._views is not None else None
-        if kept is not None and kept[0] == where and kept[1] == header.slots \
+        if kept is not None and kept.where == where and kept.slots == header.slots \
                 and not (self._partial or self._direct or self._written):
-            return list(kept[2])
+            return list(kept.tensors)
         out: list[tuple[str, torch.Tensor]] = []
         for i, s in enumerate(header.slots):
             data = buf[i] if isinstance(buf, list) else buf[s.offset : s.offset + s.nbytes]
@@ -581,7 +593,8 @@ class Reassembler:
         if self._views is not None and all(
                 s.blocks is None and s.start == 0 and s.nbytes == slot_total(s)
                 for s in header.slots):
-            self._views[header.seq] = (where, header.slots, list(out), isinstance(buf, list))
+            self._views[header.seq] = KeptViews(where, header.slots, list(out),
+                                                isinstance(buf, list))
         return out
 
     def _whole(self, s: Slot, data: torch.Tensor, out: list[tuple[str, torch.Tensor]]) -> None:
