@@ -17,6 +17,7 @@ native where `setup.py` could build `_copysum.c`).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -141,21 +142,25 @@ def copies_summed_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
     bytes written, the memory crossed once: by the native copy where it was built (every pair in
     one call without the GIL, no Python per tensor; its terms are ints), else by torch, each
     2 MiB chunk summed right after it is written."""
-    if any(d.nbytes != s.nbytes or not (d.is_contiguous() and s.is_contiguous())
-           for d, s in pairs):
-        raise ValueError("a summing copy between tensors of different sizes, or not contiguous")
+    table = array.array("q")
+    for d, s in pairs:
+        if d.nbytes != s.nbytes or not (d.is_contiguous() and s.is_contiguous()):
+            raise ValueError("a summing copy between tensors of different sizes, or not "
+                             "contiguous")
+        table.extend((d.data_ptr(), s.data_ptr(), s.nbytes))
     if _copy_many is None:
         return [_copy_summed_torch(d.reshape(-1).view(torch.uint8),
                                    s.reshape(-1).view(torch.uint8)) for d, s in pairs]
-    return _native([(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in pairs])
+    return _native(table)
 
 
-def _native(table: list[tuple[int, int, int]]) -> list[list[tuple[Any, int]]]:
-    """The native call on rows (destination, source, bytes; a destination of 0: summed only):
-    each source's terms, as ints weighted as `_terms` weighs them."""
-    rows = torch.tensor(table, dtype=torch.int64).reshape(-1, 3)
-    sums = torch.empty(len(table), 3, dtype=torch.int64)
-    _copy_many(rows.data_ptr(), len(table), sums.data_ptr())
+def _native(table: array.array) -> list[list[tuple[Any, int]]]:
+    """The native call on rows (destination, source, bytes; a destination of 0: summed only),
+    flat int64 (`array` "q"): each source's terms, as ints weighted as `_terms` weighs them."""
+    n = len(table) // 3
+    sums = torch.empty(n, 3, dtype=torch.int64)
+    if n:
+        _copy_many(torch.frombuffer(table, dtype=torch.int64).data_ptr(), n, sums.data_ptr())
     return [[(whole, 1), (words, 31), (loose, 1_000_003)] for whole, words, loose in sums.tolist()]
 
 
@@ -199,7 +204,10 @@ def _part_terms(parts: Sequence[torch.Tensor],
             accs[i] = acc
     elif todo and _copy_many is not None:  # one native call for the small aligned host parts
         todo = [i for i in todo if parts[i].data_ptr() % 8 == 0 and parts[i].numel() < _SMALL]
-        got = _native([(0, parts[i].data_ptr(), parts[i].numel()) for i in todo]) if todo else []
+        table = array.array("q")
+        for i in todo:
+            table.extend((0, parts[i].data_ptr(), parts[i].numel()))
+        got = _native(table)
         for i, acc in zip(todo, got, strict=True):
             accs[i] = acc
     out = []

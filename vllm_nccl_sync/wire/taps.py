@@ -51,9 +51,10 @@ def copies_tapped(pairs: list[tuple[torch.Tensor, torch.Tensor]]
     tap = tapping.get()
     if tap is None:
         return pairs
+    keys = [_key(s) for _, s in pairs]
     dsts = Counter(d.data_ptr() for d, _ in pairs)
     whole = [i for i, (d, s) in enumerate(pairs)
-             if tap.wants(s) and fusable(d, s) and dsts[d.data_ptr()] == 1]
+             if keys[i] in tap.wanted and dsts[d.data_ptr()] == 1 and fusable(d, s)]
     chosen = [pairs[i] for i in whole]
     if chosen and chosen[0][1].is_cuda:  # the kernel takes flat bytes
         chosen = [(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
@@ -62,7 +63,7 @@ def copies_tapped(pairs: list[tuple[torch.Tensor, torch.Tensor]]
     if got is None:
         return pairs
     for i, terms in zip(whole, got, strict=True):
-        tap.put(pairs[i][1], terms)
+        tap.got[keys[i]] = terms
     done = set(whole)
     return [p for i, p in enumerate(pairs) if i not in done]
 
@@ -71,12 +72,17 @@ def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether `dst.copy_(src)` may go through `copy_summed`: both contiguous, of one dtype and
     size, on one device; on CUDA 16-byte aligned with Triton installed, on the host 8-byte
     aligned."""
-    if not (src.dtype == dst.dtype and src.shape == dst.shape and src.device == dst.device
+    if not (src.dtype == dst.dtype and src.shape == dst.shape
             and src.is_contiguous() and dst.is_contiguous()):
         return False
-    if src.device.type == "cpu":
-        return src.data_ptr() % 8 == 0 and dst.data_ptr() % 8 == 0
-    return usable(src) and dst.data_ptr() % 16 == 0
+    if src.is_cpu:  # checked before `device`, which makes an object per call
+        return dst.is_cpu and src.data_ptr() % 8 == 0 and dst.data_ptr() % 8 == 0
+    return src.device == dst.device and usable(src) and dst.data_ptr() % 16 == 0
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    """Where `t`'s bytes lie, as a `Tap` knows its sources: (address, bytes)."""
+    return t.data_ptr(), t.nbytes
 
 
 class Tap:
@@ -88,16 +94,16 @@ class Tap:
         self.got: dict[tuple[int, int], Terms] = {}
 
     def want(self, part: torch.Tensor) -> None:
-        self.wanted.add((part.data_ptr(), part.numel() * part.element_size()))
+        self.wanted.add(_key(part))
 
     def wants(self, t: torch.Tensor) -> bool:
-        return (t.data_ptr(), t.numel() * t.element_size()) in self.wanted
+        return _key(t) in self.wanted
 
     def put(self, t: torch.Tensor, terms: Terms) -> None:
-        self.got[(t.data_ptr(), t.numel() * t.element_size())] = terms
+        self.got[_key(t)] = terms
 
     def take(self, part: torch.Tensor) -> Terms | None:
-        return self.got.get((part.data_ptr(), part.numel() * part.element_size()))
+        return self.got.get(_key(part))
 
     def sum_missing(self, parts: Sequence[torch.Tensor]) -> None:
         """Sum the flat uint8 CUDA `parts` not summed yet, all in one launch (where the kernel
