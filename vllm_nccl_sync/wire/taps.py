@@ -46,10 +46,10 @@ def clone_tapped(src: torch.Tensor) -> torch.Tensor:
 def copies_tapped(pairs: list[tuple[torch.Tensor, torch.Tensor]]
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`dst.copy_(src)` for the pairs whose `src` the receiver's tap wants whole, in one
-    `copy_summed` that hands it their terms; the pairs left to copy (all without a tap). A
+    `copy_summed` that hands it their terms; the pairs left to copy (all without a tap, or with one that wants none). A
     destination written twice is left to the caller's order."""
     tap = tapping.get()
-    if tap is None:
+    if tap is None or not tap.wanted:  # no tap, or it wants nothing (no bucket read in place)
         return pairs
     keys = [_key(s) for _, s in pairs]
     dsts = Counter(d.data_ptr() for d, _ in pairs)
