@@ -107,7 +107,7 @@ class Receiver:
         self.adapters = adapters
         self.residency = residency
         self.reads = dict(reads.tensors) if reads is not None else None
-        self._views: dict[int, KeptViews] = {}  # buckets of whole tensors, unpacked (`Reassembler`)
+        self._views: dict[int, KeptViews] = {}  # buckets of whole tensors (`Reassembler`)
         self._layout: Layout | None = None  # the last plan accepted (`update.Layout`)
         self.require_checksums = (require_checksums_default() if require_checksums is None
                                   else require_checksums)

@@ -46,8 +46,8 @@ def clone_tapped(src: torch.Tensor) -> torch.Tensor:
 def copies_tapped(pairs: list[tuple[torch.Tensor, torch.Tensor]]
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`dst.copy_(src)` for the pairs whose `src` the receiver's tap wants whole, in one
-    `copy_summed` that hands it their terms; the pairs left to copy (all without a tap, or with one that wants none). A
-    destination written twice is left to the caller's order."""
+    `copy_summed` that hands it their terms; the pairs left to copy (all of them without a tap
+    or with one that wants none). A destination written twice is left to the caller's order."""
     tap = tapping.get()
     if tap is None or not tap.wanted:  # no tap, or it wants nothing (no bucket read in place)
         return pairs
