@@ -16,6 +16,7 @@ import torch
 
 import vllm_nccl_sync.planes
 from tests.conftest import free_port
+from vllm_nccl_sync.outcomes import PeerFailed
 from vllm_nccl_sync.planes import registry
 from vllm_nccl_sync.planes.base import Transport
 from vllm_nccl_sync.planes.deadman import Deadman
@@ -107,16 +108,26 @@ def test_the_contract_opens_no_plane_itself():
         Transport(SyncConfig(control_port=1, group_port=2, world_size=2), 0)
 
 
-def _pair(cfg: SyncConfig) -> tuple[Transport, Transport]:
-    """Rank 0 and rank 1 of `cfg`'s plane, each opened by name (`open_transport`)."""
+def _ranks(cfg: SyncConfig) -> list[Transport]:
+    """Every rank of `cfg`'s plane, each opened by name (`open_transport`), rank 0 in this
+    thread and each other in one of its own."""
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault(0, open_transport(cfg, 0)))
-    th.start()
+    threads = [threading.Thread(target=lambda r=r: box.setdefault(r, open_transport(cfg, r)))
+               for r in range(1, cfg.world_size)]
+    for th in threads:
+        th.start()
     try:
-        box[1] = open_transport(cfg, 1)
+        box[0] = open_transport(cfg, 0)
     finally:
-        th.join(60)
-    return box[0], box[1]
+        for th in threads:
+            th.join(60)
+    return [box[r] for r in range(cfg.world_size)]
+
+
+def _pair(cfg: SyncConfig) -> tuple[Transport, Transport]:
+    """Rank 0 and rank 1 of `cfg`'s plane."""
+    tx, rx = _ranks(cfg)
+    return tx, rx
 
 
 @pytest.fixture
@@ -164,6 +175,49 @@ def test_broadcast_checks_and_abort_breaks_for_good(gloo_pair):
         tx.extend(5.0)
     tx.close()
     tx.close()
+
+
+class _Refusing:
+    """A gloo group whose sends to `peer` fail as they are posted, as gloo's own do once it saw
+    that peer's connection close ("Connection closed by peer", raised by `send`)."""
+
+    def __init__(self, pg, peer: int) -> None:
+        self._pg, self._peer = pg, peer
+
+    def send(self, tensors, dst: int, tag: int):
+        if dst == self._peer:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+        return self._pg.send(tensors, dst, tag)
+
+
+def test_a_peer_refused_at_post_is_skipped_and_the_others_stay_in_step():
+    """A send gloo refuses at once (the peer's connection closed) ends neither the broadcast nor
+    the update: the other receivers still get the bucket, the failure is raised naming the peer
+    when the broadcast is waited for, and later broadcasts skip it, so every receiver's count
+    stays the sender's and bucket k arrives as bucket k (behind by one, it would take bucket
+    k+1's bytes for bucket k)."""
+    cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=4,
+                     timeout_s=20)
+    tx, *rxs = _ranks(cfg)
+    try:
+        tx.pg = _Refusing(tx.pg, 1)
+        for k in range(3):
+            data = torch.full((256,), k + 1, dtype=torch.uint8)
+            rooms = [torch.zeros(256 + rx.canary_bytes, dtype=torch.uint8) for rx in rxs[1:]]
+            sent = tx.broadcast(data)
+            for rx, room in zip(rxs[1:], rooms, strict=True):
+                assert rx.broadcast(room, length=256).wait()
+                assert torch.equal(room[:256], data) and not room[256:].any(), (rx.rank, k)
+            if k == 0:
+                with pytest.raises(PeerFailed, match="rank 1 failed") as e:
+                    sent.wait()
+                assert e.value.rank == 1
+            else:
+                assert sent.wait()
+        assert tx.lost == {1}
+    finally:
+        for t in (tx, *rxs):
+            t.close()
 
 
 class _FakeGroup:

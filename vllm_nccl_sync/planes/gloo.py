@@ -7,7 +7,10 @@ by their count between the two of them, so a receiver that joins only its own bu
 step with the sender. Collectives time
 out on their own (`timeout_s`), so there is no deadman; a peer whose transfer failed is `lost`
 and later broadcasts skip it, so a receiver that died does not stop the others from getting
-every bucket they agreed to.
+every bucket they agreed to. gloo refuses at once a send to a peer whose connection it saw
+close: that peer alone is skipped, and its failure is raised when the broadcast is waited for
+(had it ended the broadcast, the peers after it would miss the bucket and, their counts then
+behind the sender's, take the next bucket's bytes for it).
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ class _Works:
 
     A failed peer does not hold up the others: every operation is waited for, the failed peers
     are added to `lost` (the transport's, so later broadcasts skip them), and the first failure
-    is raised (`PeerFailed`)."""
+    is raised (`PeerFailed`), one that failed as it was posted included."""
 
-    def __init__(self, works: dict[int, Any], timeout: timedelta, lost: set[int]) -> None:
+    def __init__(self, works: dict[int, Any], timeout: timedelta, lost: set[int],
+                 failed: dict[int, RuntimeError] | None = None) -> None:
+        """`failed`: the peers whose operation could not even be posted, and why."""
         self._works = works
         self._timeout = timeout
         self._lost = lost
+        self._failed = failed or {}
 
     def wait(self) -> bool:
-        failed: list[tuple[int, RuntimeError]] = []
+        failed, self._failed = list(self._failed.items()), {}
         for rank, w in self._works.items():
             try:
                 w.wait(self._timeout)
@@ -96,8 +102,16 @@ class GlooTransport(Transport):
             return _Works({src: self.pg.recv([tensor], src, self._tag(src))}, self._timeout,
                           self.lost)
         peers = range(self.world_size) if to is None else sorted(set(to))
-        return _Works({r: self.pg.send([tensor], r, self._tag(r)) for r in peers
-                       if r != src and r not in self.lost}, self._timeout, self.lost)
+        works, failed = {}, {}
+        for r in peers:
+            if r == src or r in self.lost:
+                continue
+            try:
+                works[r] = self.pg.send([tensor], r, self._tag(r))
+            except RuntimeError as e:  # its connection is gone: the others still get theirs
+                failed[r] = e
+        self.lost.update(failed)
+        return _Works(works, self._timeout, self.lost, failed)
 
     def _abort_group(self, pg: Any) -> None:
         """Nothing to end: gloo's operations time out on their own."""

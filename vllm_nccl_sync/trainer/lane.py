@@ -11,8 +11,9 @@ sent at all: they are gathered into buckets whose headers say where each slot li
 
 Every bucket a `Go` covers is posted, whatever fails: a tensor source that fails leaves the
 buffer's bytes on the wire (the failure is recorded, the update is aborted afterwards), and a
-broadcast that raises (gloo: a receiver's connection is already gone) is recorded as a lost peer
-while the loop goes on, so the live receivers get every collective they agreed to.
+broadcast that fails is recorded as a lost peer while the loop goes on (on gloo a receiver that
+died fails only its own transfers: `planes.gloo`), so the live receivers get every collective
+they agreed to.
 
 The checksum of each bucket runs beside its collective (both only read the bytes): on CUDA on a
 side stream, read back once for the `Seal`; on the CPU inline, while gloo's sends fly. Whether each
@@ -254,7 +255,7 @@ class BucketLane:
             if header.length:
                 try:
                     self.works[i] = self.transport.broadcast(wire, to=self._to(header))
-                except RuntimeError as e:  # gloo: a receiver's connection is already gone
+                except RuntimeError as e:  # the group was given up meanwhile (`Transport.broken`)
                     self.lost.append(PeerFailed(f"broadcast of bucket {header.seq} failed: "
                                                 f"{clip(str(e), 300)}", -1))
             digest: Any = self._early.pop(header.seq, 0)
