@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from tests.unit.test_planes import _ranks
 from vllm_nccl_sync import SyncConfig
 from vllm_nccl_sync.planes.registry import open_transport
 
@@ -45,17 +46,6 @@ def _await(cond, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _pair(cfg: SyncConfig):
-    """The sender's plain gloo transport and a receiver's through a receive process, joined
-    together in this process (rank 1 joins in a thread while rank 0 hosts the rendezvous)."""
-    got = {}
-    t = threading.Thread(target=lambda: got.update(rx=open_transport(cfg, 1)))
-    t.start()
-    tx = open_transport(cfg, 0)
-    t.join(2 * TIMEOUT)
-    return tx, got["rx"]
-
-
 def test_receive_process_takes_gloo_and_one_sender_only():
     for kw in ({"backend": "nccl"}, {"backend": "shm"},
                {"senders": [("127.0.0.1", free_port())], "world_size": 3}):
@@ -69,7 +59,7 @@ def test_bytes_land_in_shared_buffers_and_abort_ends_a_pending_receive():
     sends ends as soon as the transport is aborted (plain gloo would wait out `timeout_s`), the
     receive process is gone, and the transport is broken (the next join starts a new one)."""
     cfg = _cfg()
-    tx, rx = _pair(cfg)
+    tx, rx = _ranks(cfg)  # the receiver's through its receive process
     try:
         assert rx.child_pid != os.getpid() and not _gone(rx.child_pid)
         [buf] = rx.receive_buffers(1, 4096)

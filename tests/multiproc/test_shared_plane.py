@@ -16,7 +16,7 @@ from tests.conftest import free_port
 from tests.helpers import push_rewritten, storages
 from tests.multiproc.test_gloo_multiproc import DigestLoader, digest, model_tensors
 from tests.procs import run_procs
-from tests.unit.test_planes import _pair
+from tests.unit.test_planes import _ranks
 from vllm_nccl_sync import PushClient, SyncConfig
 from vllm_nccl_sync.engine.receiver import Receiver
 from vllm_nccl_sync.outcomes import PeerFailed
@@ -44,7 +44,7 @@ def test_the_shared_planes_state_their_policies_and_take_one_sender():
 
 
 def test_a_broadcast_moves_no_bytes_the_receiver_reads_the_senders_buffer():
-    tx, rx = _pair(_cfg())
+    tx, rx = _ranks(_cfg())
     try:
         # the memory has no name: nothing of the group's is in /dev/shm
         assert not [f for f in os.listdir("/dev/shm") if f.startswith("vllm_nccl_sync")]
@@ -65,7 +65,7 @@ def test_a_broadcast_moves_no_bytes_the_receiver_reads_the_senders_buffer():
 
 @pytest.mark.parametrize("sent", [299, 301])
 def test_a_sender_publishing_another_length_than_the_header_is_refused(sent):
-    tx, rx = _pair(_cfg())
+    tx, rx = _ranks(_cfg())
     try:
         tx.broadcast(tx.shared_buffers()[0][:sent])
         with pytest.raises(RuntimeError, match=f"published {sent} bytes .* header said 300"):
@@ -76,7 +76,7 @@ def test_a_sender_publishing_another_length_than_the_header_is_refused(sent):
 
 
 def test_a_receiver_that_never_gives_a_buffer_back_is_lost_at_the_timeout():
-    tx, rx = _pair(_cfg(timeout_s=0.5))
+    tx, rx = _ranks(_cfg(timeout_s=0.5))
     try:
         send = tx.broadcast(tx.shared_buffers()[0][:64])
         rx.broadcast(rx.shared_buffers()[0][:64]).wait()  # read, never released

@@ -96,7 +96,7 @@ def test_a_plane_must_state_what_a_peer_can_do_and_its_own_name(monkeypatch):
     monkeypatch.setitem(PLANES, "quiet", (__name__, "Misnamed"))
     with pytest.raises(TypeError, match="calls itself 'mute'"):
         plane("quiet")
-    monkeypatch.setitem(PLANES, "quiet", (__name__, "_pair"))
+    monkeypatch.setitem(PLANES, "quiet", (__name__, "_ranks"))
     with pytest.raises(TypeError, match="is not a Transport"):
         plane("quiet")
     assert registry.plane("gloo").backend == "gloo"
@@ -124,16 +124,10 @@ def _ranks(cfg: SyncConfig) -> list[Transport]:
     return [box[r] for r in range(cfg.world_size)]
 
 
-def _pair(cfg: SyncConfig) -> tuple[Transport, Transport]:
-    """Rank 0 and rank 1 of `cfg`'s plane."""
-    tx, rx = _ranks(cfg)
-    return tx, rx
-
-
 @pytest.fixture
 def gloo_pair():
     cfg = SyncConfig(control_port=free_port(), group_port=free_port(), world_size=2, timeout_s=20)
-    pair = _pair(cfg)
+    pair = _ranks(cfg)
     yield pair
     for t in pair:
         t.close()
