@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -182,6 +183,23 @@ def _empty_cache(gpu: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def rpc_socket(ctx: Any, tr: Any, role: int, dev: torch.device) -> Any:
+    """The TRL-style round trip's ZeroMQ socket: the sender binds a port the OS picks and tells
+    the receiver over the group (a port picked before the group formed may be taken meanwhile
+    by the group's own connections)."""
+    import zmq
+
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = torch.zeros(1, dtype=torch.int64, device=dev)
+    if role == 0:
+        port.fill_(sock.bind_to_random_port("tcp://127.0.0.1"))
+    tr.broadcast(port.view(torch.uint8), src=0).wait()
+    if role != 0:
+        sock.connect(f"tcp://127.0.0.1:{int(port.item())}")
+    return sock
+
+
 def worker(role: int, args: dict, ports: dict) -> dict:
     """role 0: trainer on cuda:0; role 1: receiver on cuda:1. Both walk the same plan."""
     import msgspec
@@ -303,12 +321,7 @@ def worker(role: int, args: dict, ports: dict) -> dict:
                 record("per_tensor", times, payload, {"collectives": len(items)})
 
                 # (c') per tensor with a control round trip and a synchronize (TRL-style) -----
-                sock = ctx.socket(zmq.PAIR)
-                sock.setsockopt(zmq.LINGER, 0)
-                if role == 0:
-                    sock.bind(f"tcp://127.0.0.1:{pp[2]}")
-                else:
-                    sock.connect(f"tcp://127.0.0.1:{pp[2]}")
+                sock = rpc_socket(ctx, tr, role, dev)
                 enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
 
                 def per_tensor_rpc() -> None:
@@ -379,7 +392,7 @@ def worker(role: int, args: dict, ports: dict) -> dict:
                 variants = [("packed", False, tr), ("full_bucket", True, tr)]
                 if gpu:  # A/B: the same loop over a group whose NCCL stream has normal priority
                     variants.append(("packed_normal_prio", False,
-                                     PlainNccl(pp[3], role, dev, high_priority=False)))
+                                     PlainNccl(pp[2], role, dev, high_priority=False)))
                 for mode, full, t in variants:
                     wires: list[int] = []
                     times = timed(t, lambda f=full, t=t: wires.append(packed(f, t)), reps,
@@ -508,7 +521,7 @@ def main() -> None:
             "sweep_min_gb": (a.sweep_min_gb if a.sweep_min_gb is not None
                              else 0 if a.cpu_smoke else 1), "reps": a.reps,
             "backend": "gloo" if a.cpu_smoke else "nccl"}
-    ports = {f"{s}:{b}": [free_port(), free_port(), free_port(), free_port()]
+    ports = {f"{s}:{b}": [free_port(), free_port(), free_port()]
              for s in args["sizes"] for b in args["buckets"]}
     t0 = time.time()
     out = run_procs([(worker, (0, args, ports)), (worker, (1, args, ports))], a.deadline)
