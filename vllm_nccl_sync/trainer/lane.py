@@ -279,8 +279,8 @@ class BucketLane:
         once the plan is out, while receivers check it, before they read (both only read):
         summed before the plan instead, the plan waited 1.3-2.0 ms for them on one H100, after
         1.5 ms of host time to queue them; queued after the `Go` (at the first post), the `Go`
-        came 0.1-0.2 ms sooner but the push took 0.4-1.0 ms longer there (colocated: the
-        receivers' copies and these sums interleave on the device)."""
+        came 0.1-0.2 ms sooner but the push took 0.4-1.0 ms longer there (colocated; likely,
+        not established: the receivers' copies and these sums interleave on the device)."""
         if self._stream is None or self._summed_ahead or not self._unsummed:
             return
         self._summed_ahead = True
