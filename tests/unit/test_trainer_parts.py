@@ -250,6 +250,52 @@ def test_a_bucket_made_ahead_of_its_post_is_summed_then_and_its_digest_is_of_its
     assert digests[-1].checksum == checksum(lane.buffers[0][: b.length].clone())
 
 
+class OpeningRounds:
+    """A stand-in for the sender's rounds that records, when an update opens, which message
+    opens it and whether its first bucket was already made (summed ahead), then runs
+    `meanwhile` as `Rounds.open` does while the receivers check it."""
+
+    def __init__(self, lane: BucketLane) -> None:
+        self.lane = lane
+        self.opened: list[tuple[str, bool, bool]] = []
+
+    def begin(self, version: int) -> None:
+        pass
+
+    def open(self, opening, last: int, ranks=None, meanwhile=None) -> None:
+        before = 0 in self.lane._early
+        meanwhile()
+        self.agreed = last
+        self.opened.append((type(opening).__name__, before, 0 in self.lane._early))
+
+
+def test_a_repeats_first_bucket_is_made_before_it_is_sent_a_plans_while_it_is_checked():
+    """A `Plan` goes out first and its first bucket is made while the receivers check it; a
+    `Repeat` of its layout (checked in no time) goes out once its first bucket is made; either
+    way the bucket posted is the one summed, and its `Digest` carries that sum."""
+    from vllm_nccl_sync.trainer.push import OneSender
+
+    digests = []
+    lane = BucketLane(FakePlane(), 16 * 1024, check=True, timeout_s=10,
+                      digest=lambda d, to: digests.append(d))
+    rounds = OpeningRounds(lane)
+    cfg = SyncConfig(control_port=1, group_port=2, world_size=2, bucket_bytes=16 * 1024)
+    sd = {"a": torch.randn(4, 8), "b": torch.randn(3)}
+    agreed = None
+    for version in (1, 2):
+        lane.begin()
+        sd["a"] += 1
+        one = OneSender(rounds, lane, cfg, sd, version, Caster(None), force=False, full=False,
+                        staged=False, adapter=None, window=1, agreed=agreed, layout_id=7)
+        [(header, make)] = list(one.agree())
+        lane.post(header, make)
+        assert digests[-1].checksum == checksum(lane.buffers[0][: header.length].clone())
+        assert torch.equal(lane.buffers[0][:16].view(torch.float32), sd["a"].flatten()[:4])
+        lane.drain()
+        agreed = one.layout
+    assert rounds.opened == [("Plan", False, True), ("Repeat", True, True)]
+
+
 class ExportingPlane(FakePlane):
     """A stand-in for a plane whose receivers map this sender's memory: every storage it is
     shown is a segment of its own (counted)."""

@@ -220,9 +220,10 @@ class BucketLane:
 
     def ahead(self, seq: int, wire: torch.Tensor) -> None:
         """Bucket `seq`'s wire bytes were made before its post, while the receivers check the
-        plan (nothing writes them until it is posted): on the host its checksum is taken now
-        too, so its `Digest` follows the post at once (measured: 0.07-0.1 ms sooner for 349 KB,
-        on a 2-core host where summing beside the transfer shares the cores with it)."""
+        plan or before a `Repeat` (nothing writes them until it is posted): on the host its
+        checksum is taken now too, so its `Digest` follows the post at once (measured: 0.07-0.1
+        ms sooner for 349 KB, on a 2-core host where summing beside the transfer shares the
+        cores with it)."""
         if self.check and self._stream is None and wire.numel():
             self._early[seq] = checksum(wire)
 

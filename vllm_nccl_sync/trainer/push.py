@@ -165,7 +165,12 @@ class OneSender(Sender):
             size += len(msgspec.msgpack.encode(headers[-1]))
         if any(h.at is not None for h in headers):
             self.lane.settle()  # what receivers read where it lies is final
-        self.rounds.open(self._opening(headers), headers[-1].seq, meanwhile=self._meanwhile)
+        opening = self._opening(headers)
+        repeat = isinstance(opening, Repeat)
+        if repeat:  # its receivers check next to nothing: the first bucket is made before
+            self._pack_first()
+        self.rounds.open(opening, headers[-1].seq,
+                         meanwhile=self.lane.sum_ahead if repeat else self._meanwhile)
         # A plan too big for one frame: the rest of its headers follow at the same distance.
         self.window = max(self.window, len(headers))
         return self._buckets()
@@ -195,10 +200,13 @@ class OneSender(Sender):
         self._pack_first()
 
     def _pack_first(self) -> None:
-        """Make the first bucket's wire bytes while the receivers check the plan, where its
-        buffer is free (the last update drained every collective; else a receiver may still
-        read it until it answers this plan); what making them raised is raised when the bucket
-        is posted, as it would have been then."""
+        """Make the first bucket's wire bytes before its post, where its buffer is free
+        (the last update drained every collective; else a receiver may still read it until it
+        answers this plan); what making them raised is raised when the bucket is posted, as it
+        would have been then. A `Plan`'s first bucket is made while the receivers check it; a
+        `Repeat`'s before it is sent, since its receivers check next to nothing (on a 2-core
+        host 0.03 ms, against 0.3 ms to make 171 tensors' bucket and sum it): their update,
+        from the `Repeat` to the `Commit`, then no longer waits for it (0.2-0.3 ms less)."""
         header, make = self.pending[0]
         if header.at is not None or header.seq != self.lane.posted or not self.lane.settled:
             return
