@@ -18,6 +18,7 @@ import torch
 from tests.procs import wait_until
 from tests.session_engine import SessionEngine, driven, same
 from vllm_nccl_sync import PushError, UpdateRefused, WeightSync
+from vllm_nccl_sync.engine.commit import CommitRound
 from vllm_nccl_sync.engine.loaders import ModuleLoader
 from vllm_nccl_sync.engine.session import Placement
 from vllm_nccl_sync.engine.shadow import Shadow
@@ -224,3 +225,40 @@ def test_an_opened_swap_returns_with_its_loads_queued_and_its_end_still_waited_f
         [(marks, _)] = e.opened
         assert {"swap", "begun", "end"} <= marks and "loaded" not in marks, marks
         assert not e.session.report()["consistent"]  # the swap had begun writing
+
+
+def test_the_swaps_commit_round_runs_while_it_copies_and_a_copy_failing_after_it_is_reported(
+        engine, monkeypatch):
+    """`Ack(2)` goes out once the swap's copies are queued; the copies are waited for (bounded)
+    before `Commit(2)` is taken. A wait that fails after that `Ack` fails the update, which the
+    worker reports inconsistent even if the sender committed meanwhile."""
+    e, sync = engine
+    calls: list[str] = []
+    fail = []
+    ack, settle = CommitRound._ack, Shadow.settle
+
+    def acking(self, phase: int, u: Any) -> None:
+        calls.append(f"ack{phase}")
+        ack(self, phase, u)
+
+    def settling(self) -> None:
+        calls.append("settle")
+        if fail and calls[-2:] == ["ack2", "settle"]:
+            raise RuntimeError("the device's copy failed")
+        settle(self)
+
+    monkeypatch.setattr(CommitRound, "_ack", acking)
+    monkeypatch.setattr(Shadow, "settle", settling)
+    sync.update(tensors(1), 1, beside=True)
+    # the gate's wait (the shadow received), then the swap's copies: waited for after Ack(2)
+    assert calls == ["ack1", "settle", "ack2", "settle"], calls
+    assert same(e.held(), tensors(1)) and e.session.report()["version"] == 1
+    fail.append(True)
+    with pytest.raises(PushError, match="copy failed") as err:
+        sync.update(tensors(2), 2, beside=True)
+    assert [s.ok for s in err.value.summaries] == [False]
+    report = e.session.report()
+    assert not report["consistent"] and report["version"] == 1  # it had begun writing
+    fail.clear()
+    sync.update(tensors(3), 3, beside=True)  # the next update puts it right
+    assert same(e.held(), tensors(3)) and e.session.report()["consistent"]

@@ -61,7 +61,8 @@ class CommitRound:
         return seal
 
     def run(self, loader: WeightLoader, u: Update) -> None:
-        """`Ack(1)`, `Commit(1)`; staged: then load everything, `Ack(2)`, `Commit(2)`."""
+        """`Ack(1)`, `Commit(1)`; staged: then load everything, `Ack(2)` once the copies are
+        queued, `Commit(2)` once they ran."""
         if u.beside is not None:  # before Ack: the swap comes after it
             _prepare(loader, u)
         self._ack(1, u)
@@ -96,19 +97,30 @@ class CommitRound:
             u.mark("loaded")  # the loaders and the post-load rule returned
             if u.beside is not None:  # the engine may go on with its turn while they copy
                 u.beside.queued()
-            self.plane.settle(self.timeout_s)
-            if u.beside is not None:
-                u.beside.shadow.settle()
-            u.mark("settled")  # every copy they queued ran
         except Exception as e:  # noqa: BLE001 - user/vLLM code: report it
             log.exception("loading the staged update failed")
             self._refuse(u, Problem(Kind.LOAD, f"rank {self.rank} failed loading the staged "
                                     f"update: {clip(repr(e))}"))
         if problem := u.coverage_problem(loader):
             self._refuse(u, problem)
-        self._ack(2, u)
+        self._ack(2, u)  # the sender's Commit(2) comes back while the device copies
+        self._settle(u)
         self._commit(2, u)
         u.mark("committed2")
+
+    def _settle(self, u: Update) -> None:
+        """Wait (bounded) until every copy of the staged update's load ran, before its
+        `Commit(2)` is taken and the swap's caller goes on; one that fails refuses the update
+        (the sender may have committed meanwhile: this worker reports itself inconsistent)."""
+        try:
+            self.plane.settle(self.timeout_s)
+            if u.beside is not None:
+                u.beside.shadow.settle()
+        except Exception as e:  # noqa: BLE001 - the device's own failure: report it
+            log.exception("the staged update's copies failed")
+            self._refuse(u, Problem(Kind.LOAD, f"rank {self.rank}: the staged update's copies "
+                                    f"failed: {clip(repr(e))}"))
+        u.mark("settled")  # every copy they queued ran
 
     def _refuse(self, u: Update, problem: Problem) -> NoReturn:
         """Fail the staged update's second phase: the sender hears `problem`; raises."""

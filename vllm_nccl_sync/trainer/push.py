@@ -167,7 +167,7 @@ class OneSender(Sender):
             self.lane.settle()  # what receivers read where it lies is final
         opening = self._opening(headers)
         repeat = isinstance(opening, Repeat)
-        if repeat:  # its receivers check next to nothing: the first bucket is made before
+        if repeat:  # its receivers check next to nothing: make the first bucket before it is sent
             self._pack_first()
         self.rounds.open(opening, headers[-1].seq,
                          meanwhile=self.lane.sum_ahead if repeat else self._meanwhile)
