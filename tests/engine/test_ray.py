@@ -6,6 +6,10 @@ are Ray actors (processes of the cluster, not of this test). For the extension t
 Ray actor too and binds the address of the node Ray gave it, not loopback; each worker reports
 the rank it joined as and the node and address it joined from. Afterwards greedy output equals
 transformers' with the pushed weights.
+
+Before the engine starts, every port its rendezvous can draw holds the CPU segments a stopped
+engine would have left (vLLM creates its own with `O_EXCL`): it starts anyway, its workers'
+segments in place of the empty ones left.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
 TP = 2
 TIMEOUT_S = 60.0  # an upper bound on every wait, never a speed requirement
+SEGMENT = "/dev/shm/{ident}-tp:0-[0-1]-cpushm_{rank}"
+"""vLLM CPU's TP segment of each rank of a TP=2 engine whose rendezvous is `ident`."""
 
 
 @ray.remote(num_cpus=0)
@@ -63,7 +69,8 @@ class RayProbeExt(Ext):
         ctx = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "in_actor": ctx.get_actor_id() is not None,
-                "local_address": local_address(trainer_host)}
+                "local_address": local_address(trainer_host),
+                "dist_ident": os.environ.get("VLLM_DIST_IDENT")}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +96,30 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def engine(ray_cluster, tmp_path_factory):
+def stale_segments():
+    """An empty segment under every port of this host's ephemeral range, as a Ray engine stopped
+    by `ray.kill` leaves them; removed afterwards where still empty."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = map(int, f.read().split())
+    seeded = []
+    try:
+        for port in range(lo, hi + 1):
+            for rank in range(TP):
+                path = SEGMENT.format(ident=port, rank=rank)
+                try:
+                    open(path, "xb").close()
+                    seeded.append(path)
+                except FileExistsError:
+                    continue
+        yield
+    finally:
+        for path in seeded:
+            if os.path.exists(path) and os.path.getsize(path) == 0:
+                os.unlink(path)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, stale_segments, tmp_path_factory):
     """A TP=2 engine on Ray with both front doors: the extension and the `nccl_sync` backend."""
     from vllm import LLM
 
@@ -119,6 +149,9 @@ def test_ray_engine_uses_ray_workers(engine):
     assert len(workers) == TP and len({w["pid"] for w in workers}) == TP
     assert all(w["in_actor"] and w["node_ip"] == node_ip for w in workers), workers
     assert os.getpid() not in {w["pid"] for w in workers}
+    # The rendezvous' port had a leftover segment per rank: the workers' own replaced them.
+    (ident,) = {w["dist_ident"] for w in workers}
+    assert all(os.path.getsize(SEGMENT.format(ident=ident, rank=r)) > 0 for r in range(TP))
 
 
 def test_update_through_extension(engine):

@@ -17,6 +17,14 @@ What this changes, only on vLLM's CPU platform and only where the key is still e
 * `get_node_and_physical_gpu_ids` (runs inside each worker actor): a CPU worker has no
   accelerator ids, so it reports its node and an empty list. The executor starts
   `CpuRayWorkerProc`, which carries this override; the actor imports this module to build it.
+* Segments a stopped engine left behind: each CPU worker creates its tensor-parallel segment
+  `/dev/shm/<ident>-<group>-cpushm_<rank>` with `O_EXCL` (`SHMManager::init_shm`,
+  `csrc/cpu/shm.cpp`), where `<ident>` is the port of the workers' rendezvous
+  (`VLLM_DIST_IDENT`, `vllm/v1/worker/cpu_worker.py`). The executor's shutdown `ray.kill`s its
+  actors, so the names are never unlinked, and a later engine whose rendezvous draws the same
+  port fails to start ("create shm in SHMManager failed. errno: 17"). Rank 0's
+  `create_dist_init_method` (before any worker creates a segment; the new rendezvous holds the
+  port) unlinks that port's segments that no live process maps. It sees rank 0's host only.
 
 Only the default Ray executor (`RayExecutorV2`) is covered; the older one
 (`VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0`) also needs Ray compiled graphs and is left as it is.
@@ -27,6 +35,8 @@ Loaded in every vLLM process by the `vllm.general_plugins` entry point `nccl_syn
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -34,6 +44,8 @@ log = logging.getLogger(__name__)
 SUPPORTED = ("0.32.",)
 """vLLM versions (prefixes) whose Ray executor this patch was written against."""
 DEVICE_KEY = "CPU"
+SHM_DIR = "/dev/shm"
+CPU_SEGMENT = re.compile(r"-cpushm_\d+$")
 
 
 def _supported() -> bool:
@@ -52,12 +64,53 @@ except Exception:  # noqa: BLE001 - other vLLM versions: register() is a no-op
 if _rx is not None:
 
     class CpuRayWorkerProc(_rx.RayWorkerProc):
-        """vLLM's Ray worker on the CPU platform: a node and no accelerator ids."""
+        """vLLM's Ray worker on the CPU platform: a node and no accelerator ids, and a rendezvous
+        that no leftover segment can stop."""
 
         def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
             import ray
 
             return ray.get_runtime_context().get_node_id(), []
+
+        def create_dist_init_method(self) -> str:
+            """vLLM's rendezvous, once segments a stopped engine left under its port are gone."""
+            method = super().create_dist_init_method()
+            drop_stale_segments(method.rsplit(":", 1)[-1])
+            return method
+
+
+def _mapped_shm() -> set[str]:
+    """Every path under /dev/shm that a live process of this host maps."""
+    paths: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                paths.update(line[line.index(SHM_DIR):].rstrip("\n") for line in f
+                             if SHM_DIR in line)
+        except OSError:  # exited, or not ours to read
+            continue
+    return paths
+
+
+def drop_stale_segments(ident: str) -> list[str]:
+    """Unlink vLLM CPU segments of rendezvous `ident` that no live process maps; their names."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR)
+                 if n.startswith(f"{ident}-") and CPU_SEGMENT.search(n)]
+    except OSError:
+        return []
+    live = _mapped_shm() if names else set()
+    dropped = []
+    for name in names:
+        if os.path.join(SHM_DIR, name) not in live:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                dropped.append(name)
+            except OSError:
+                continue
+    if dropped:
+        log.warning("vllm_nccl_sync: removed segments a stopped engine left: %s", dropped)
+    return dropped
 
 
 def _actor_resources() -> dict[str, Any]:
