@@ -102,9 +102,10 @@ def drop_stale_segments(ident: str) -> list[str]:
     live = _mapped_shm() if names else set()
     dropped = []
     for name in names:
-        if os.path.join(SHM_DIR, name) not in live:
+        path = os.path.join(SHM_DIR, name)
+        if path not in live:
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
+                os.unlink(path)
                 dropped.append(name)
             except OSError:
                 continue
